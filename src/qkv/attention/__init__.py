@@ -1,0 +1,27 @@
+"""Attention: scaled dot-product attention, masks, multi-head / grouped-query attention, KV caches."""
+
+from qkv.attention.cache import KVCache, LayerCache, cache_length, new_cache, reorder_cache
+from qkv.attention.masks import (
+    causal_mask,
+    combine_masks,
+    padding_mask_from_ids,
+    padding_mask_from_lengths,
+    sliding_window_mask,
+)
+from qkv.attention.multi_head import MultiHeadAttention
+from qkv.attention.sdpa import scaled_dot_product_attention
+
+__all__ = [
+    "KVCache",
+    "LayerCache",
+    "MultiHeadAttention",
+    "cache_length",
+    "causal_mask",
+    "combine_masks",
+    "new_cache",
+    "padding_mask_from_ids",
+    "padding_mask_from_lengths",
+    "reorder_cache",
+    "scaled_dot_product_attention",
+    "sliding_window_mask",
+]

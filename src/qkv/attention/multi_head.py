@@ -1,0 +1,138 @@
+"""Multi-head attention: h heads attend in parallel in d_k = d_model / h dimensional subspaces.
+
+MultiHead(Q, K, V) = Concat(head_1, …, head_h) W_O,  head_i = Attention(Q W_Qi, K W_Ki, V W_Vi).
+
+All heads' projections are one Linear each (d_model → h·d_k), reshaped into heads, which is
+the same as h separate (d_model → d_k) matrices side by side. With n_kv_heads < n_heads, groups
+of query heads share one key/value head (grouped-query attention; n_kv_heads = 1 is multi-query
+attention), which shrinks the KV cache by n_heads / n_kv_heads.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, overload
+
+from torch import Tensor, nn
+
+from qkv.attention.cache import KVCache
+from qkv.attention.sdpa import scaled_dot_product_attention
+from qkv.errors import QkvError
+from qkv.positional import apply_rotary
+
+
+class MultiHeadAttention(nn.Module):
+    """Self- or cross-attention with n_heads query heads and n_kv_heads key/value heads."""
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        d_context: int | None = None,
+    ) -> None:
+        super().__init__()
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        if n_heads < 1 or d_model % n_heads != 0:
+            raise QkvError(f"n_heads={n_heads} must divide d_model={d_model}")
+        if n_kv_heads < 1 or n_heads % n_kv_heads != 0:
+            raise QkvError(f"n_kv_heads={n_kv_heads} must divide n_heads={n_heads}")
+        if not 0.0 <= dropout < 1.0:
+            raise QkvError(f"attention dropout must be in [0, 1), got {dropout}")
+        self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
+        self.d_head = d_model // n_heads
+        self.dropout = dropout
+        d_context = d_model if d_context is None else d_context
+        self.q_proj = nn.Linear(d_model, n_heads * self.d_head, bias=bias)  # W_Q for all heads
+        self.k_proj = nn.Linear(d_context, n_kv_heads * self.d_head, bias=bias)  # W_K
+        self.v_proj = nn.Linear(d_context, n_kv_heads * self.d_head, bias=bias)  # W_V
+        self.out_proj = nn.Linear(n_heads * self.d_head, d_model, bias=bias)  # W_O
+
+    def _split_heads(self, x: Tensor, n_heads: int) -> Tensor:
+        """(B, T, n·D) → (B, n, T, D)."""
+        b, t, _ = x.shape
+        return x.view(b, t, n_heads, self.d_head).transpose(1, 2)
+
+    @overload
+    def forward(
+        self,
+        x: Tensor,
+        context: Tensor | None = ...,
+        mask: Tensor | None = ...,
+        causal: bool = ...,
+        cache: KVCache | None = ...,
+        return_weights: Literal[False] = ...,
+        rope: tuple[Tensor, Tensor] | None = ...,
+    ) -> Tensor: ...
+    @overload
+    def forward(
+        self,
+        x: Tensor,
+        context: Tensor | None = ...,
+        mask: Tensor | None = ...,
+        causal: bool = ...,
+        cache: KVCache | None = ...,
+        *,
+        return_weights: Literal[True],
+        rope: tuple[Tensor, Tensor] | None = ...,
+    ) -> tuple[Tensor, Tensor]: ...
+    def forward(
+        self,
+        x: Tensor,
+        context: Tensor | None = None,
+        mask: Tensor | None = None,
+        causal: bool = False,
+        cache: KVCache | None = None,
+        return_weights: bool = False,
+        rope: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Attend from x (B, T_q, d_model) to itself, or to `context` (B, T_k, d_context).
+
+        mask: boolean, True = may attend, broadcastable to (B, H, T_q, T_k) (see qkv.attention.masks).
+        cache: self-attention appends this step's keys/values; cross-attention fills it once.
+        rope: (cos, sin) for the positions of x's tokens; rotates queries and keys (self-attention only).
+        Returns the output (B, T_q, d_model), and the weights (B, H, T_q, T_k) if asked.
+        """
+        if x.dim() != 3 or x.shape[-1] != self.d_model:
+            raise QkvError(f"attention input must be (B, T, d_model={self.d_model}), got {tuple(x.shape)}")
+        b, t_q, _ = x.shape
+        q = self._split_heads(self.q_proj(x), self.n_heads)  # (B, H, T_q, D)
+        if context is None:  # self-attention: this step's tokens provide keys and values
+            k = self._split_heads(self.k_proj(x), self.n_kv_heads)  # (B, H_kv, T_q, D)
+            v = self._split_heads(self.v_proj(x), self.n_kv_heads)
+            if rope is not None:
+                cos, sin = rope
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            if cache is not None:
+                k, v = cache.append(k, v)  # (B, H_kv, T_past + T_q, D)
+        elif cache is not None and cache.length > 0:  # cross-attention, keys already computed
+            k, v = cache.keys_values()
+        else:
+            if context.dim() != 3 or context.shape[0] != b:
+                raise QkvError(
+                    f"context must be (B={b}, T_k, d_context) for cross-attention, got {tuple(context.shape)}"
+                )
+            k = self._split_heads(self.k_proj(context), self.n_kv_heads)
+            v = self._split_heads(self.v_proj(context), self.n_kv_heads)
+            if cache is not None:
+                cache.set(k, v)
+        if self.n_kv_heads != self.n_heads:
+            # Each K/V head serves n_heads / n_kv_heads query heads.
+            group = self.n_heads // self.n_kv_heads
+            k = k.repeat_interleave(group, dim=1)  # (B, H, T_k, D)
+            v = v.repeat_interleave(group, dim=1)
+        if mask is not None and mask.dim() > 4:
+            raise QkvError(f"mask must broadcast to (B, H, T_q, T_k), got {mask.dim()} dims {tuple(mask.shape)}")
+        dropout_p = self.dropout if self.training else 0.0
+        if return_weights:
+            context_vecs, attn_weights = scaled_dot_product_attention(
+                q, k, v, mask=mask, causal=causal, dropout_p=dropout_p, return_weights=True
+            )
+        else:
+            context_vecs = scaled_dot_product_attention(q, k, v, mask=mask, causal=causal, dropout_p=dropout_p)
+        # Concat(head_1, …, head_h): (B, H, T_q, D) → (B, T_q, H·D), then W_O.
+        out = self.out_proj(context_vecs.transpose(1, 2).reshape(b, t_q, self.n_heads * self.d_head))
+        if return_weights:
+            return out, attn_weights
+        return out

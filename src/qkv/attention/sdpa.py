@@ -1,0 +1,179 @@
+"""Scaled dot-product attention: Attention(Q, K, V) = softmax(Q Kᵀ / √d_k) V.
+
+Why the 1/√d_k scale: if the components of q and k are independent with mean 0 and variance 1,
+then q·k = Σᵢ qᵢkᵢ is a sum of d_k terms of variance 1, so its variance is d_k. Large scores push
+the softmax into saturation (one-hot output, vanishing gradient). Dividing by √d_k brings the
+variance back to 1 whatever the head size (`qkv lab variance` measures this).
+
+Two paths sit behind one function:
+- the *reference* path spells the formula out (scores → mask → softmax → weights @ V) and can
+  return the attention weights;
+- the *fused* path calls `torch.nn.functional.scaled_dot_product_attention`, which never
+  materialises the (T_q, T_k) weight matrix on its memory-efficient kernels.
+They compute the same numbers; tests hold them to 1e-5 in fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, overload
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from qkv.attention.masks import causal_mask
+from qkv.errors import QkvError
+
+Backend = Literal["auto", "reference", "fused"]
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> None:
+    """Raise a QkvError naming the offending dimension when q, k, v or mask do not fit together."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() < 2:
+            raise QkvError(f"{name} must have shape (..., T, d) with at least 2 dims, got shape {tuple(t.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise QkvError(f"q and k must share the last dim d_k: q has d_k={q.shape[-1]}, k has d_k={k.shape[-1]}")
+    if k.shape[-2] != v.shape[-2]:
+        raise QkvError(f"k and v must have the same number of keys T_k: k has {k.shape[-2]}, v has {v.shape[-2]}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise QkvError(f"q, k, v must share a dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise QkvError(f"q, k, v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
+    try:
+        torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    except RuntimeError:
+        raise QkvError(
+            f"leading (batch/head) dims do not broadcast: q {tuple(q.shape[:-2])}, "
+            f"k {tuple(k.shape[:-2])}, v {tuple(v.shape[:-2])}"
+        ) from None
+    if mask is None:
+        return
+    if mask.dtype != torch.bool:
+        raise QkvError(f"mask must be boolean (True = may attend), got dtype {mask.dtype}")
+    if mask.device != q.device:
+        raise QkvError(f"mask is on {mask.device} but q is on {q.device}")
+    t_q, t_k = q.shape[-2], k.shape[-2]
+    if mask.dim() < 2 or mask.shape[-2] not in (1, t_q) or mask.shape[-1] not in (1, t_k):
+        raise QkvError(f"mask of shape {tuple(mask.shape)} does not broadcast to (..., T_q={t_q}, T_k={t_k})")
+    try:
+        torch.broadcast_shapes(mask.shape[:-2], q.shape[:-2])
+    except RuntimeError:
+        raise QkvError(
+            f"mask leading dims {tuple(mask.shape[:-2])} do not broadcast to q's {tuple(q.shape[:-2])}"
+        ) from None
+
+
+@overload
+def scaled_dot_product_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = ...,
+    causal: bool = ...,
+    scale: float | None = ...,
+    dropout_p: float = ...,
+    return_weights: Literal[False] = ...,
+    backend: Backend = ...,
+) -> Tensor: ...
+@overload
+def scaled_dot_product_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = ...,
+    causal: bool = ...,
+    scale: float | None = ...,
+    dropout_p: float = ...,
+    *,
+    return_weights: Literal[True],
+    backend: Backend = ...,
+) -> tuple[Tensor, Tensor]: ...
+def scaled_dot_product_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+    backend: Backend = "auto",
+) -> Tensor | tuple[Tensor, Tensor]:
+    """softmax(q kᵀ · scale) v for q (..., T_q, d_k), k (..., T_k, d_k), v (..., T_k, d_v).
+
+    mask: boolean, True = may attend, broadcastable to (..., T_q, T_k).
+    causal: query i sees keys j ≤ i + (T_k − T_q), i.e. the triangle is aligned to the end of the
+        keys, as when the keys hold a KV cache followed by the new queries.
+    scale: defaults to 1/√d_k; 1.0 gives the unscaled dot product.
+    return_weights: also return the attention weights (..., T_q, T_k); forces the reference path.
+    backend: "auto" (fused unless weights are requested), "reference" or "fused".
+    A query whose keys are all masked gets a zero output (and zero gradient), never NaN.
+    """
+    _check_inputs(q, k, v, mask)
+    if backend not in ("auto", "reference", "fused"):
+        raise QkvError(f"unknown attention backend {backend!r}; choose one of: auto, reference, fused")
+    if return_weights and backend == "fused":
+        raise QkvError("the fused backend cannot return attention weights; use backend='reference'")
+    t_q, t_k = q.shape[-2], k.shape[-2]
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    use_reference = return_weights or backend == "reference"
+    if causal and t_q == 1:
+        causal = False  # the single newest query sees every key: nothing to mask
+    # A square causal mask alone goes to PyTorch's dedicated causal kernel; anything else is explicit.
+    fused_is_causal = causal and mask is None and t_q == t_k and not use_reference
+    if causal and not fused_is_causal:
+        tri = causal_mask(t_q, t_k, device=q.device)  # (T_q, T_k)
+        mask = tri if mask is None else mask & tri
+    # A query with no visible key would take a softmax over nothing (NaN). Let it see every key,
+    # then zero its output: no NaN forward or backward, and no host sync to find such rows.
+    row_visible = None
+    if mask is not None:
+        row_visible = mask.any(dim=-1, keepdim=True)  # (..., T_q, 1)
+        mask = mask | ~row_visible
+
+    if use_reference:
+        context, attn_weights = _reference_attention(q, k, v, mask, scale, dropout_p)
+    else:
+        context = _fused_attention(q, k, v, mask, fused_is_causal, scale, dropout_p)
+        attn_weights = None
+    if row_visible is not None:
+        context = context * row_visible
+        if attn_weights is not None:
+            attn_weights = attn_weights * row_visible
+    if return_weights:
+        assert attn_weights is not None
+        return context, attn_weights
+    return context
+
+
+def _reference_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, dropout_p: float
+) -> tuple[Tensor, Tensor]:
+    """The formula, step by step; returns (context, attention weights)."""
+    attn_scores = (q @ k.transpose(-2, -1)) * scale  # (..., T_q, T_k)
+    if mask is not None:
+        # -inf would make exp() exactly 0; every row has a visible key here, so no NaN can appear.
+        attn_scores = attn_scores.masked_fill(~mask, float("-inf"))
+    attn_weights = torch.softmax(attn_scores, dim=-1)  # rows sum to 1
+    if dropout_p > 0.0:
+        attn_weights = F.dropout(attn_weights, p=dropout_p)
+    context = attn_weights @ v  # (..., T_q, d_v)
+    return context, attn_weights
+
+
+def _fused_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float, dropout_p: float
+) -> Tensor:
+    """PyTorch's fused kernel (flash / memory-efficient / math, chosen by PyTorch)."""
+    lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    if mask is not None:  # a (B, 1, 1, T_k) mask may add leading dims, as it does on the reference path
+        lead = torch.broadcast_shapes(lead, mask.shape[:-2])
+    # The fused kernels want equal leading dims; expand() is a view, no copy.
+    q = q.expand(*lead, *q.shape[-2:])
+    k = k.expand(*lead, *k.shape[-2:])
+    v = v.expand(*lead, *v.shape[-2:])
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
+    )

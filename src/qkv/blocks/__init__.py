@@ -1,0 +1,7 @@
+"""Building blocks: feed-forward, residual + norm, encoder and decoder layers and stacks."""
+
+from qkv.blocks.feed_forward import FeedForward
+from qkv.blocks.layers import AttentionMaps, Decoder, DecoderLayer, Encoder, EncoderLayer
+from qkv.blocks.residual import ResidualNorm
+
+__all__ = ["AttentionMaps", "Decoder", "DecoderLayer", "Encoder", "EncoderLayer", "FeedForward", "ResidualNorm"]

@@ -1,0 +1,34 @@
+"""Residual connection with normalisation, in the two placements.
+
+post-norm (the paper):  x = Norm(x + Dropout(Sublayer(x)))
+pre-norm (GPT-2 on):    x = x + Dropout(Sublayer(Norm(x)))
+
+Pre-norm keeps an un-normalised path from input to output, so gradients reach early layers
+undiminished and deep stacks train without a long warmup; it needs a final norm after the stack.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from qkv.config import BlockConfig
+from qkv.norms import make_norm
+
+
+class ResidualNorm(nn.Module):
+    """The norm and dropout around one sublayer; `before` feeds the sublayer, `after` adds it back."""
+
+    def __init__(self, cfg: BlockConfig) -> None:
+        super().__init__()
+        self.pre_norm = cfg.norm_placement == "pre"
+        self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def before(self, x: Tensor) -> Tensor:
+        """The sublayer's input: Norm(x) for pre-norm, x itself for post-norm."""
+        return self.norm(x) if self.pre_norm else x
+
+    def after(self, x: Tensor, sublayer_out: Tensor) -> Tensor:
+        """The residual sum, normalised after the addition for post-norm."""
+        x = x + self.dropout(sublayer_out)
+        return x if self.pre_norm else self.norm(x)

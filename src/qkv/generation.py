@@ -1,0 +1,143 @@
+"""Token-by-token generation: the model's softmax over the next token, sampled, fed back.
+
+With the KV cache each step runs the model on the one new token and reuses every earlier
+token's keys and values; without it each step re-runs the whole sequence. Both give the same
+tokens (tests check it), the cache just avoids O(T²) recomputation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from qkv.attention import LayerCache
+from qkv.errors import QkvError
+
+
+class CausalLM(Protocol):
+    """What generation needs from a model: logits for ids following a cache, and a fresh cache."""
+
+    def __call__(self, ids: Tensor, cache: list[LayerCache] | None = None) -> Tensor: ...
+    def new_cache(self, capacity: int = 256) -> list[LayerCache]: ...
+
+
+def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
+    """Set to −inf every logit outside the top k, and outside the smallest set with mass ≥ top_p."""
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum_probs = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        # Drop a token when the tokens before it already hold top_p of the mass; the first always stays.
+        drop_sorted = (cum_probs - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_next(
+    logits: Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Next token ids (B,) from last-position logits (B, V); temperature 0 means greedy (argmax)."""
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    logits = filter_logits(logits.float() / temperature, top_k, top_p)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+def _check_options(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Refuse sampling options that make no sense, naming the option."""
+    if max_new_tokens < 0:
+        raise QkvError(f"max_new_tokens must be ≥ 0, got {max_new_tokens}")
+    if temperature < 0:
+        raise QkvError(f"temperature must be ≥ 0 (0 = greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise QkvError(f"top_k must be ≥ 1, got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise QkvError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def stream(
+    model: CausalLM,
+    ids: Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | None = None,
+    use_cache: bool = True,
+    generator: torch.Generator | None = None,
+    max_positions: int | None = None,
+) -> Iterator[Tensor]:
+    """Yield the next token ids (B,) step by step; rows that produced eos_id keep yielding eos_id.
+
+    max_positions: the model's context; longer sequences are cropped to their last tokens, and
+    the cache is rebuilt from that window so cached and uncached runs stay identical.
+    Bad options raise QkvError here, at the call, not at the first next().
+    """
+    _check_options(max_new_tokens, temperature, top_k, top_p)
+    if ids.dim() != 2 or ids.shape[1] == 0:
+        raise QkvError(f"the prompt must be a non-empty (B, T) tensor of ids, got shape {tuple(ids.shape)}")
+    limit = max_positions or getattr(getattr(model, "cfg", None), "max_positions", None) or 1 << 30
+    return _stream(model, ids, max_new_tokens, temperature, top_k, top_p, eos_id, use_cache, generator, limit)
+
+
+@torch.no_grad()
+def _stream(
+    model: CausalLM,
+    ids: Tensor,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    eos_id: int | None,
+    use_cache: bool,
+    generator: torch.Generator | None,
+    limit: int,
+) -> Iterator[Tensor]:
+    """The generator behind stream (arguments already validated)."""
+    finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    cache = model.new_cache() if use_cache else None
+    cached = 0  # tokens the cache holds; counted here so any cache object the model returns will do
+    seq = ids
+    next_input = ids[:, -limit:]
+    for _ in range(max_new_tokens):
+        if cache is not None and cached + next_input.shape[1] > limit:
+            cache, cached = model.new_cache(), 0  # context full: re-read the last `limit` tokens
+            next_input = seq[:, -limit:]
+        logits = model(next_input, cache=cache)[:, -1]  # (B, V)
+        cached += next_input.shape[1]
+        token = sample_next(logits, temperature, top_k, top_p, generator)
+        if eos_id is not None:
+            token = token.masked_fill(finished, eos_id)
+            finished |= token == eos_id
+        yield token
+        seq = torch.cat([seq, token[:, None]], dim=1)
+        next_input = token[:, None] if cache is not None else seq[:, -limit:]
+        if eos_id is not None and bool(finished.all()):
+            return
+
+
+def generate(
+    model: CausalLM,
+    ids: Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | None = None,
+    use_cache: bool = True,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """ids (B, T) followed by up to max_new_tokens generated ids: (B, T + n)."""
+    steps = list(stream(model, ids, max_new_tokens, temperature, top_k, top_p, eos_id, use_cache, generator))
+    return torch.cat([ids, torch.stack(steps, dim=1)], dim=1) if steps else ids

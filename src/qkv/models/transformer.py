@@ -1,0 +1,110 @@
+"""The encoder–decoder Transformer of "Attention Is All You Need" (Vaswani et al., 2017).
+
+source ids → Embeddings (× √d_model, + sinusoidal positions) → Encoder → memory
+target ids → Embeddings → Decoder (masked self-attention, cross-attention to memory, FFN)
+           → linear over the target vocabulary → softmax gives P(next target token).
+Teacher forcing: in training the decoder sees the whole (shifted) target at once and the causal
+mask hides the future; at inference it runs token by token with a KV cache.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, overload
+
+from torch import Tensor, nn
+
+from qkv.attention import LayerCache, cache_length, new_cache
+from qkv.blocks import AttentionMaps, Decoder, Encoder
+from qkv.config import TransformerConfig
+from qkv.models.embedding import Embeddings
+
+
+class Transformer(nn.Module):
+    """Encoder–decoder Transformer; masks are boolean, True = may attend (see qkv.attention.masks)."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        assert cfg.final_norm is not None
+        self.src_embed = Embeddings(cfg.model_config(cfg.src_vocab_size))
+        self.tgt_embed = Embeddings(cfg.model_config(cfg.tgt_vocab_size))
+        if cfg.share_embeddings:
+            self.tgt_embed.tokens = self.src_embed.tokens  # one matrix for both languages
+        self.encoder = Encoder(cfg, cfg.n_encoder_layers, final_norm=cfg.final_norm)
+        self.decoder = Decoder(cfg, cfg.n_decoder_layers, final_norm=cfg.final_norm, cross_attention=True)
+        self.generator = nn.Linear(cfg.d_model, cfg.tgt_vocab_size, bias=False)
+        for p in self.parameters():
+            if p.dim() > 1:
+                nn.init.xavier_uniform_(p)  # as the Annotated Transformer does
+        if cfg.tie_embeddings:
+            self.generator.weight = self.tgt_embed.tokens.weight
+
+    def new_cache(self, capacity: int = 256) -> list[LayerCache]:
+        """An empty decoder cache (self-attention K/V grow; cross-attention K/V are set once)."""
+        return new_cache(self.cfg.n_decoder_layers, capacity)
+
+    def encode(self, src: Tensor, src_mask: Tensor | None = None, return_weights: bool = False) -> Tensor:
+        """Memory (B, S, d_model) for source ids (B, S); src_mask (B, 1, 1, S) hides padding."""
+        x, rope = self.src_embed(src)
+        memory, _ = self.encoder(x, mask=src_mask, rope=rope)
+        return memory
+
+    def encode_with_weights(self, src: Tensor, src_mask: Tensor | None = None) -> tuple[Tensor, AttentionMaps]:
+        """Memory and the encoder's self-attention weights per layer."""
+        x, rope = self.src_embed(src)
+        return self.encoder(x, mask=src_mask, rope=rope, return_weights=True)
+
+    @overload
+    def decode(
+        self,
+        tgt: Tensor,
+        memory: Tensor,
+        src_mask: Tensor | None = ...,
+        tgt_mask: Tensor | None = ...,
+        cache: list[LayerCache] | None = ...,
+        return_weights: Literal[False] = ...,
+    ) -> Tensor: ...
+    @overload
+    def decode(
+        self,
+        tgt: Tensor,
+        memory: Tensor,
+        src_mask: Tensor | None = ...,
+        tgt_mask: Tensor | None = ...,
+        cache: list[LayerCache] | None = ...,
+        *,
+        return_weights: Literal[True],
+    ) -> tuple[Tensor, AttentionMaps]: ...
+    def decode(
+        self,
+        tgt: Tensor,
+        memory: Tensor,
+        src_mask: Tensor | None = None,
+        tgt_mask: Tensor | None = None,
+        cache: list[LayerCache] | None = None,
+        return_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, AttentionMaps]:
+        """Logits (B, T, tgt_vocab) for target ids (B, T) following the cache's tokens.
+
+        src_mask (B, 1, 1, S) hides source padding from cross-attention; tgt_mask (B, 1, 1, T_k)
+        hides target padding; the causal mask is always applied.
+        """
+        x, rope = self.tgt_embed(tgt, start=cache_length(cache))
+        x, maps = self.decoder(
+            x,
+            memory,
+            self_mask=tgt_mask,
+            memory_mask=src_mask,
+            cache=cache,
+            rope=rope,
+            return_weights=return_weights,
+        )
+        logits = self.generator(x)
+        return (logits, maps) if return_weights else logits
+
+    def forward(
+        self, src: Tensor, tgt: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None
+    ) -> Tensor:
+        """Teacher-forced logits (B, T, tgt_vocab) for source (B, S) and target input (B, T)."""
+        memory = self.encode(src, src_mask)
+        return self.decode(tgt, memory, src_mask, tgt_mask)

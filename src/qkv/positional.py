@@ -1,0 +1,113 @@
+"""Where a token is: attention itself is permutation-equivariant, so order must be injected.
+
+Three ways, all in this room:
+- sinusoidal (the paper): PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)),
+  added to the token embeddings. For every offset k, PE(pos + k) is a fixed rotation of PE(pos)
+  (one 2×2 rotation per sin/cos pair), which is why the paper hoped it would let attention
+  reason about relative positions.
+- learned absolute positions (GPT-2, BERT): one trainable vector per position.
+- rotary (RoPE, Su et al.): no addition at all; q and k are rotated pair-wise by an angle
+  proportional to their position, so q·k depends only on the relative offset.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from qkv.errors import QkvError
+
+
+def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
+    """(max_len, d_model) table of the paper's sinusoidal encodings (float32)."""
+    if d_model % 2 != 0:
+        raise QkvError(f"sinusoidal positions need an even d_model, got {d_model}")
+    position = torch.arange(max_len, dtype=torch.float64)[:, None]  # (L, 1)
+    # 10000^(-2i/d) for i = 0 .. d/2 − 1, computed in float64 so large positions stay exact.
+    inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
+    angles = position * inv_freq  # (L, d/2)
+    table = torch.empty(max_len, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(angles)
+    table[:, 1::2] = torch.cos(angles)
+    return table.float()
+
+
+def _check_length(start: int, length: int, max_len: int) -> None:
+    """Refuse positions past the table instead of silently indexing out of range."""
+    if start + length > max_len:
+        raise QkvError(
+            f"sequence reaches position {start + length} but the model has max_positions={max_len}; "
+            "shorten the input or raise max_positions"
+        )
+
+
+class SinusoidalPositionalEncoding(nn.Module):
+    """Adds nothing trainable: returns rows of the fixed sinusoidal table, computed once."""
+
+    table: Tensor
+
+    def __init__(self, d_model: int, max_len: int) -> None:
+        super().__init__()
+        self.max_len = max_len
+        # Not persistent: it is a pure function of the config, so checkpoints need not carry it.
+        self.register_buffer("table", sinusoidal_table(max_len, d_model), persistent=False)
+
+    def forward(self, length: int, start: int = 0) -> Tensor:
+        """(length, d_model) encodings of positions start .. start + length − 1."""
+        _check_length(start, length, self.max_len)
+        return self.table[start : start + length]
+
+
+class LearnedPositionalEmbedding(nn.Module):
+    """One trainable d_model vector per absolute position (GPT-2, BERT)."""
+
+    def __init__(self, d_model: int, max_len: int) -> None:
+        super().__init__()
+        self.max_len = max_len
+        self.weight = nn.Parameter(torch.zeros(max_len, d_model))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, length: int, start: int = 0) -> Tensor:
+        """(length, d_model) embeddings of positions start .. start + length − 1."""
+        _check_length(start, length, self.max_len)
+        return self.weight[start : start + length]
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for RoPE; `apply_rotary` rotates q and k with them.
+
+    Uses the "rotate half" pairing (dimension i with i + d/2), as GPT-NeoX and Llama do, so
+    checkpoints of those families load without permuting weights.
+    """
+
+    cos_table: Tensor
+    sin_table: Tensor
+
+    def __init__(self, head_dim: int, max_len: int, base: float = 10000.0) -> None:
+        super().__init__()
+        if head_dim % 2 != 0:
+            raise QkvError(f"rotary positions need an even head dim, got {head_dim}")
+        self.max_len = max_len
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        angles = torch.arange(max_len, dtype=torch.float64)[:, None] * inv_freq  # (L, D/2)
+        angles = torch.cat([angles, angles], dim=-1)  # (L, D): both halves share a frequency
+        self.register_buffer("cos_table", angles.cos().float(), persistent=False)
+        self.register_buffer("sin_table", angles.sin().float(), persistent=False)
+
+    def forward(self, length: int, start: int = 0) -> tuple[Tensor, Tensor]:
+        """(cos, sin), each (length, head_dim), for positions start .. start + length − 1."""
+        _check_length(start, length, self.max_len)
+        return self.cos_table[start : start + length], self.sin_table[start : start + length]
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """(x1, x2) → (−x2, x1) on the two halves of the last dim: a 90° turn of every pair."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x (..., T, D) by the per-position angles: x·cos + rotate_half(x)·sin."""
+    return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)

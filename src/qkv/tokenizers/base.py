@@ -1,0 +1,81 @@
+"""The interface every tokenizer implements: text <-> token ids, and saving to a directory."""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from qkv.errors import QkvError
+
+# Both kinds save a tokenizer.json (ours for "char", Hugging Face's for "bpe"); the bpe kind also
+# writes CONFIG_FILE, because HF's file format has no place for our own fields.
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+
+
+class Tokenizer(ABC):
+    """Maps text to a list of integer token ids and back."""
+
+    kind: ClassVar[str]  # "char" or "bpe": what load_tokenizer dispatches on
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Number of distinct token ids (ids are 0 .. vocab_size - 1)."""
+
+    @property
+    @abstractmethod
+    def eos_id(self) -> int | None:
+        """Id of the end-of-text token, or None if the tokenizer has none."""
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`."""
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of the token ids `ids`; decode(encode(text)) == text."""
+
+    @abstractmethod
+    def save(self, directory: Path) -> None:
+        """Write the tokenizer into `directory` (created if needed) so load_tokenizer can read it back."""
+
+    @classmethod
+    @abstractmethod
+    def load(cls, directory: Path) -> Tokenizer:
+        """Read a tokenizer of this kind back from a directory written by save()."""
+
+    def encode_tensor(self, text: str) -> torch.Tensor:
+        """Token ids of `text` as a 1-D int64 tensor."""
+        return torch.tensor(self.encode(text), dtype=torch.int64)
+
+    def __repr__(self) -> str:
+        """Short description, e.g. CharTokenizer(kind='char', vocab_size=65)."""
+        return f"{type(self).__name__}(kind={self.kind!r}, vocab_size={self.vocab_size})"
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """Parse a JSON object from `path`, raising QkvError (with the position) if it is missing or broken."""
+    if not path.is_file():
+        raise QkvError(f"tokenizer file not found: {path}")
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise QkvError(f"{path} is not valid UTF-8 (byte offset {err.start}); the file is corrupted") from err
+    except json.JSONDecodeError as err:
+        where = f"line {err.lineno}, column {err.colno}"
+        raise QkvError(f"{path} is not valid JSON ({where}: {err.msg})") from err
+    if not isinstance(obj, dict):
+        raise QkvError(f"{path} should hold a JSON object, found {type(obj).__name__}")
+    return obj
+
+
+def write_json(path: Path, obj: dict[str, Any]) -> None:
+    """Write `obj` as readable, UTF-8 JSON (non-ASCII characters kept as themselves)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,97 @@
+"""Byte-level BPE tokenizer (GPT-2 style), trained and run by Hugging Face `tokenizers`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import tokenizers as hf  # Hugging Face's package, not this one (qkv.tokenizers)
+
+from qkv.errors import QkvError
+from qkv.tokenizers.base import CONFIG_FILE, TOKENIZER_FILE, Tokenizer, read_json, write_json
+
+ENDOFTEXT = "<|endoftext|>"
+# 256 byte tokens + at least one special token; above the upper bound is surely a typo (GPT-4 uses ~100k).
+MIN_BPE_VOCAB = 257
+MAX_BPE_VOCAB = 1_000_000
+
+
+class ByteBPETokenizer(Tokenizer):
+    """Byte-pair encoding over UTF-8 bytes: any text encodes (no unknown tokens) and decodes exactly."""
+
+    kind = "bpe"
+
+    def __init__(self, hf_tokenizer: hf.Tokenizer) -> None:
+        """Wrap a trained Hugging Face tokenizer (use train() or load() to get one)."""
+        self._tok = hf_tokenizer
+
+    @classmethod
+    def train(cls, text: str, vocab_size: int, special_tokens: Sequence[str] = (ENDOFTEXT,)) -> ByteBPETokenizer:
+        """Learn merges on `text` until the vocabulary (bytes + specials + merges) has `vocab_size` tokens."""
+        if not MIN_BPE_VOCAB <= vocab_size <= MAX_BPE_VOCAB:
+            raise QkvError(
+                f"BPE vocab size must be between {MIN_BPE_VOCAB} (256 bytes + <|endoftext|>) "
+                f"and {MAX_BPE_VOCAB:,}, got {vocab_size}"
+            )
+        if not text:
+            raise QkvError("cannot train a BPE tokenizer on empty text")
+        tok = hf.Tokenizer(hf.models.BPE())
+        # No prefix space: encoding must not change the text, so decode(encode(t)) == t exactly.
+        tok.pre_tokenizer = hf.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = hf.decoders.ByteLevel()
+        trainer = hf.trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            min_frequency=2,  # a pair seen once is noise, not a pattern worth a token
+            special_tokens=list(special_tokens),
+            # Start from all 256 bytes, not just those in `text`, so unseen characters still encode.
+            initial_alphabet=hf.pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator([text], trainer=trainer)
+        return cls(tok)
+
+    @classmethod
+    def load(cls, directory: Path) -> ByteBPETokenizer:
+        """Read a tokenizer written by save() (Hugging Face's tokenizer.json)."""
+        path = Path(directory) / TOKENIZER_FILE
+        read_json(path)  # clear errors for a missing file or broken JSON before HF sees it
+        try:
+            tok = hf.Tokenizer.from_file(str(path))
+        except Exception as err:  # HF raises a bare Exception for schema errors
+            raise QkvError(f"{path} is not a valid Hugging Face tokenizer file: {err}") from err
+        return cls(tok)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, special tokens included (may be below the requested size on small texts)."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_id(self) -> int | None:
+        """Id of <|endoftext|>, or None if it was not among the special tokens."""
+        return self._tok.token_to_id(ENDOFTEXT)
+
+    @property
+    def hf_tokenizer(self) -> hf.Tokenizer:
+        """The underlying Hugging Face tokenizer."""
+        return self._tok
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; a literal <|endoftext|> in the text becomes the special token."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`, special tokens included, so decoding is the exact inverse of encoding."""
+        ids = [int(i) for i in ids]  # also accepts tensors and numpy arrays
+        size = self.vocab_size
+        if ids and (min(ids) < 0 or max(ids) >= size):
+            bad = next(i for i in ids if not 0 <= i < size)
+            raise QkvError(f"token id {bad} is out of range for a vocabulary of {size} tokens")
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def save(self, directory: Path) -> None:
+        """Write HF's tokenizer.json plus tokenizer_config.json recording {"kind": "bpe"}."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(directory / TOKENIZER_FILE))
+        write_json(directory / CONFIG_FILE, {"kind": self.kind})

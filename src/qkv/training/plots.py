@@ -1,0 +1,29 @@
+"""loss.png: train and validation loss curves of a run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display needed, works headless and in CI
+import matplotlib.pyplot as plt
+
+
+def plot_losses(metrics: list[dict[str, Any]], path: Path, title: str = "Training curves") -> None:
+    """Train and val cross-entropy against optimiser steps, written to `path` (PNG)."""
+    steps = [m["step"] for m in metrics]
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    ax.plot(steps, [m["train_loss"] for m in metrics], marker="o", ms=3, label="train")
+    ax.plot(steps, [m["val_loss"] for m in metrics], marker="o", ms=3, label="validation")
+    ax.set_xlabel("optimiser step")
+    ax.set_ylabel("cross-entropy loss (nats / token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    tmp.replace(path)

@@ -1,0 +1,297 @@
+"""The training loop for DecoderLM: AdamW, warmup + cosine, clipping, accumulation, checkpoints.
+
+Everything that makes a step depend on the past is in the checkpoint (weights, optimiser
+moments, the data sampler's generator, the dropout RNG, counters), so a resumed run takes
+exactly the steps an uninterrupted one would have taken.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qkv.config import DecoderLMConfig
+from qkv.data import random_batch
+from qkv.errors import QkvError
+from qkv.models import DecoderLM
+from qkv.tokenizers import load_tokenizer
+from qkv.training.checkpoint import (
+    STATE_FILE,
+    atomic_save_safetensors,
+    atomic_write_bytes,
+    load_training_state,
+    save_training_state,
+)
+from qkv.training.config import TrainConfig
+from qkv.training.dataset import TextData, prepare_text_data
+from qkv.training.evaluate import evaluate_loss
+from qkv.training.plots import plot_losses
+from qkv.training.progress import Progress
+from qkv.training.run import BEST_FILE, METRICS_FILE, load_weights, read_run_config, write_run_config
+from qkv.training.schedule import LRSchedule
+
+
+@dataclass
+class TrainResult:
+    """What a run achieved and where it lives."""
+
+    run_dir: Path
+    step: int
+    val_loss: float  # over the whole validation split (the `qkv eval` protocol)
+    best_val_loss: float
+    elapsed_s: float
+    interrupted: bool = False
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' → cuda if present, else cpu; anything else must exist on this machine."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise QkvError(f"unknown device {name!r}; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise QkvError("device cuda requested but no CUDA GPU is available; use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise QkvError(f"device {name!r} does not exist: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    elif device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise QkvError("device mps requested but Apple's MPS backend is not available here; use --device cpu")
+    elif device.type != "cpu":
+        raise QkvError(f"unsupported device {name!r}; use auto, cpu, cuda, cuda:N or mps")
+    return device
+
+
+def autocast_context(device: torch.device, dtype: str) -> contextlib.AbstractContextManager[Any]:
+    """Mixed precision for bf16/fp16 (weights stay fp32); nothing for fp32."""
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=getattr(torch, dtype))
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not biases, norms); fused where PyTorch has it."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    try:
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
+    except (RuntimeError, TypeError):
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
+
+
+def default_run_dir(cfg: TrainConfig) -> Path:
+    """runs/<data name>-<tokenizer>-<timestamp>."""
+    name = "shakespeare" if cfg.data is None else Path(cfg.data).stem
+    return Path("runs") / f"{name}-{cfg.tokenizer}-{datetime.now():%Y%m%d-%H%M%S}"
+
+
+def _read_metrics(run_dir: Path, up_to_step: int) -> list[dict[str, Any]]:
+    """metrics.jsonl entries logged at or before a step (a killed run may have logged past its checkpoint)."""
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r["step"] <= up_to_step]
+
+
+def _write_metrics(run_dir: Path, metrics: list[dict[str, Any]]) -> None:
+    """Rewrite metrics.jsonl atomically (it is small: one line per evaluation)."""
+    atomic_write_bytes(run_dir / METRICS_FILE, "".join(json.dumps(m) + "\n" for m in metrics).encode())
+
+
+def _batches(data: TextData, cfg: TrainConfig, gen: torch.Generator, device: torch.device) -> Iterator[Any]:
+    """Endless random training windows drawn from the run's own generator."""
+    while True:
+        yield random_batch(data.train_ids, cfg.block_size, cfg.batch_size, gen, device)
+
+
+@contextlib.contextmanager
+def _deferred_interrupt() -> Iterator[Callable[[], bool]]:
+    """Turn the first Ctrl-C into a request that the loop honours between steps; a second one stops at once.
+
+    A KeyboardInterrupt raised at an arbitrary point could land inside backward() or between the
+    optimizer's updates of moments and weights, and the checkpoint saved after it would hold a
+    half-taken step. Only the main thread can install signal handlers; elsewhere nothing changes.
+    """
+    requested = False
+
+    def handler(signum: int, frame: Any) -> None:
+        nonlocal requested
+        if requested:  # impatient second Ctrl-C: give up on a clean stop
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        requested = True
+
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield lambda: requested
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def train(cfg: TrainConfig | None = None, verbose: bool = True, **overrides: Any) -> TrainResult:
+    """Train a DecoderLM as `cfg` (or TrainConfig(**overrides)) says; returns the result."""
+    cfg = cfg if cfg is not None else TrainConfig(**overrides)
+    run_dir = Path(cfg.out_dir) if cfg.out_dir else default_run_dir(cfg)
+    if cfg.resume:
+        stored = read_run_config(run_dir)
+        budget = {"max_time": cfg.max_time, "device": cfg.device, "max_steps": cfg.max_steps}
+        cfg = TrainConfig.from_dict({**stored["training"], **budget, "resume": True, "out_dir": str(run_dir)})
+        tokenizer = load_tokenizer(run_dir)
+    else:
+        if (run_dir / STATE_FILE).exists() or (run_dir / BEST_FILE).exists():
+            raise QkvError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --out-dir")
+        tokenizer = None
+    device = resolve_device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    data = prepare_text_data(cfg.data, cfg.tokenizer, cfg.bpe_vocab_size, tokenizer)
+    if cfg.block_size + 1 > len(data.train_ids):
+        raise QkvError(
+            f"block size {cfg.block_size} is larger than the training data ({len(data.train_ids)} tokens); "
+            "use a smaller --block-size or more text"
+        )
+    model_fields = {"vocab_size": data.tokenizer.vocab_size, "max_positions": cfg.block_size, **cfg.model}
+    try:
+        model_cfg = DecoderLMConfig(**model_fields)
+    except TypeError as e:  # a value of the wrong type, e.g. --model dropout=abc
+        raise QkvError(f"invalid model setting in {cfg.model}: {e}") from None
+    if model_cfg.max_positions < cfg.block_size:
+        raise QkvError(
+            f"model max_positions={model_cfg.max_positions} is smaller than the block size {cfg.block_size}; "
+            "drop --model max_positions or lower --block-size"
+        )
+    model = DecoderLM(model_cfg).to(device)
+    optimizer = make_optimizer(model, cfg, device)
+    schedule = LRSchedule(cfg.lr, min(cfg.warmup_steps, cfg.max_steps), cfg.max_steps, cfg.final_lr, cfg.schedule)
+    data_gen = torch.Generator().manual_seed(cfg.seed)
+    step, tokens_seen, elapsed_before, best_val = 0, 0, 0.0, math.inf
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.resume:
+        state, extra = load_training_state(run_dir, optimizer, {"data": data_gen})
+        load_weights(model, state, run_dir / "last.safetensors")
+        step, tokens_seen = extra["step"], extra["tokens_seen"]
+        elapsed_before, best_val = extra["elapsed_s"], extra["best_val_loss"]
+    else:
+        write_run_config(run_dir, model_cfg, cfg, data.tokenizer)
+    metrics = _read_metrics(run_dir, step)
+    step_model = torch.compile(model) if cfg.compile else model
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "float16")
+    progress = Progress(cfg.max_steps, enabled=verbose)
+    n_params = sum(p.numel() for p in model.parameters())
+    progress.log(
+        f"qkv train: {n_params / 1e6:.2f} M parameters, {len(data.train_ids):,} train / {len(data.val_ids):,} val "
+        f"tokens, vocab {data.tokenizer.vocab_size}, device {device}, run dir {run_dir}"
+    )
+
+    def evaluate(max_tokens: int | None) -> float:
+        """Validation loss with dropout off, then back to training mode."""
+        model.eval()
+        with autocast_context(device, cfg.dtype):
+            loss = evaluate_loss(step_model, data.val_ids, cfg.block_size, cfg.batch_size, device, max_tokens)
+        model.train()
+        return loss
+
+    def checkpoint(val_loss: float, train_loss: float) -> None:
+        """Log metrics, keep the best weights, save everything needed to resume."""
+        nonlocal best_val
+        metrics.append(
+            {
+                "step": step,
+                "tokens_seen": tokens_seen,
+                "elapsed_s": round(elapsed(), 3),
+                "train_loss": train_loss,
+                "val_loss": val_loss,
+                "lr": schedule.lr_at(max(0, step - 1)),
+            }
+        )
+        _write_metrics(run_dir, metrics)
+        if val_loss < best_val:
+            best_val = val_loss
+            atomic_save_safetensors(run_dir / BEST_FILE, model.state_dict())
+        extra = {"step": step, "tokens_seen": tokens_seen, "elapsed_s": elapsed(), "best_val_loss": best_val}
+        save_training_state(run_dir, model_state=model.state_dict(), optimizer=optimizer, extra=extra,
+                            generators={"data": data_gen})  # fmt: skip
+        plot_losses(metrics, run_dir / "loss.png", title=f"qkv train — {run_dir.name}")
+        progress.log(f"step {step:>6}  train {train_loss:.4f}  val {val_loss:.4f}  lr {metrics[-1]['lr']:.2e}")
+
+    start = time.monotonic()
+
+    def elapsed() -> float:
+        """Wall-clock seconds of training, across resumes."""
+        return elapsed_before + time.monotonic() - start
+
+    batches = _batches(data, cfg, data_gen, device)
+    first_step = step
+    model.train()
+    loss_sum, loss_count, interrupted = 0.0, 0, False
+    last_loss = float("nan")
+    with _deferred_interrupt() as interrupt_requested:
+        while step < cfg.max_steps:
+            if interrupt_requested():  # checked between steps, so the checkpoint holds whole steps only
+                interrupted = True
+                break
+            lr = schedule.lr_at(step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            for _ in range(cfg.grad_accum):
+                x, y = next(batches)
+                with autocast_context(device, cfg.dtype):
+                    logits = step_model(x)  # (B, T, V)
+                    loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+                scaler.scale(loss / cfg.grad_accum).backward()
+                loss_sum += float(loss.detach()) / cfg.grad_accum
+            if cfg.grad_clip > 0:
+                scaler.unscale_(optimizer)
+                nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            loss_count += 1
+            tokens_seen += cfg.batch_size * cfg.block_size * cfg.grad_accum
+            last_loss = loss_sum / loss_count
+            run_time = time.monotonic() - start  # this session only: resumed steps were timed before
+            out_of_time = cfg.max_time is not None and elapsed() >= cfg.max_time
+            seconds_per_step = run_time / (step - first_step)
+            tokens_per_s = cfg.batch_size * cfg.block_size * cfg.grad_accum / seconds_per_step
+            progress.update(step, last_loss, tokens_per_s, (cfg.max_steps - step) * seconds_per_step)
+            if step % cfg.eval_interval == 0 or step == cfg.max_steps or out_of_time:
+                checkpoint(evaluate(cfg.eval_tokens), last_loss)
+                loss_sum, loss_count = 0.0, 0
+            if out_of_time:
+                progress.log(f"time budget of {cfg.max_time:g} s reached at step {step}")
+                break
+        if interrupted:
+            progress.close()
+            if loss_count:
+                checkpoint(evaluate(cfg.eval_tokens), loss_sum / loss_count)
+            if (run_dir / STATE_FILE).is_file():
+                hint = f"interrupted at step {step}: checkpoint saved; continue with --resume --out-dir {run_dir}"
+                progress.log(hint)
+            else:
+                progress.log(f"interrupted at step {step}, before the first checkpoint: nothing to --resume")
+    progress.close()
+    final_val = metrics[-1]["val_loss"] if metrics and cfg.eval_tokens is None else evaluate(None)
+    return TrainResult(run_dir, step, final_val, best_val, elapsed(), interrupted, metrics)

@@ -1,0 +1,258 @@
+"""Tests for qkv.blocks: feed-forward (incl. SwiGLU), residual placement, and parity of the encoder
+and decoder stacks with torch.nn.Transformer (post-norm and pre-norm)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from qkv import BlockConfig, MultiHeadAttention, QkvError
+from qkv.attention import padding_mask_from_lengths
+from qkv.blocks import Decoder, DecoderLayer, Encoder, EncoderLayer, FeedForward, ResidualNorm
+from qkv.norms import LayerNorm
+
+# --------------------------------------------------------------------------------------------
+# Feed-forward
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "swiglu"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_feed_forward_matches_formula(activation: str, bias: bool) -> None:
+    """W_2 · act(W_1 x + b_1) + b_2, with SwiGLU as W_2 (silu(W_g x) ⊙ W_1 x)."""
+    ffn = FeedForward(6, 10, activation=activation, bias=bias)
+    with torch.no_grad():
+        for p in ffn.parameters():
+            p.normal_(std=0.5)
+    x = torch.randn(2, 3, 6, dtype=torch.float64)
+    ffn = ffn.double()
+    w1, w2 = ffn.up.weight, ffn.down.weight
+    b1 = ffn.up.bias if bias else torch.zeros(10, dtype=torch.float64)
+    b2 = ffn.down.bias if bias else torch.zeros(6, dtype=torch.float64)
+    h = x @ w1.T + b1
+    if activation == "relu":
+        h = h.clamp(min=0)
+    elif activation == "gelu":
+        h = 0.5 * h * (1 + torch.erf(h / 2**0.5))
+    elif activation == "gelu_tanh":
+        h = 0.5 * h * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (h + 0.044715 * h**3)))
+    else:
+        assert ffn.gate is not None
+        g = x @ ffn.gate.weight.T + (ffn.gate.bias if bias else 0.0)
+        h = g * torch.sigmoid(g) * h
+    expected = h @ w2.T + b2
+    assert (ffn(x) - expected).abs().max().item() <= 1e-10
+
+
+def test_feed_forward_parameter_counts_and_position_wise() -> None:
+    """2·d·d_ff (+ biases) parameters, 3·d·d_ff for SwiGLU; each token is transformed independently."""
+    n = sum(p.numel() for p in FeedForward(8, 32).parameters())
+    assert n == 2 * 8 * 32 + 32 + 8
+    n_swiglu = sum(p.numel() for p in FeedForward(8, 32, activation="swiglu", bias=False).parameters())
+    assert n_swiglu == 3 * 8 * 32
+    ffn = FeedForward(8, 32, activation="swiglu")
+    x = torch.randn(2, 5, 8)
+    out = ffn(x)
+    assert torch.allclose(out[:, 2], ffn(x[:, 2:3])[:, 0], atol=1e-6)
+    with pytest.raises(QkvError, match=r"unknown activation 'tanh'"):
+        FeedForward(8, 32, activation="tanh")
+
+
+def test_feed_forward_dropout_only_in_training() -> None:
+    """Dropout is active in train mode and off in eval mode."""
+    ffn = FeedForward(8, 64, dropout=0.5)
+    x = torch.randn(4, 8)
+    ffn.eval()
+    assert torch.equal(ffn(x), ffn(x))
+    ffn.train()
+    assert not torch.equal(ffn(x), ffn(x))
+
+
+# --------------------------------------------------------------------------------------------
+# Residual placement
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("placement", ["pre", "post"])
+def test_residual_norm_placement(placement: str) -> None:
+    """post: Norm(x + F(x)); pre: x + F(Norm(x))."""
+    cfg = BlockConfig(d_model=8, n_heads=2, dropout=0.0, norm_placement=placement)  # type: ignore[arg-type]
+    res = ResidualNorm(cfg)
+    assert isinstance(res.norm, LayerNorm)
+    with torch.no_grad():
+        res.norm.weight.normal_()
+        res.norm.bias.normal_()  # type: ignore[union-attr]
+    lin = nn.Linear(8, 8)
+    x = torch.randn(3, 4, 8)
+    norm = nn.LayerNorm(8)
+    norm.load_state_dict(res.norm.state_dict())
+    out = res.after(x, lin(res.before(x)))
+    expected = x + lin(norm(x)) if placement == "pre" else norm(x + lin(x))
+    assert torch.allclose(out, expected, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# Parity with torch.nn.Transformer
+# --------------------------------------------------------------------------------------------
+
+
+def _copy_attention(dst: MultiHeadAttention, src: nn.MultiheadAttention) -> None:
+    wq, wk, wv = src.in_proj_weight.chunk(3)
+    bq, bk, bv = src.in_proj_bias.chunk(3)
+    for proj, w, b in ((dst.q_proj, wq, bq), (dst.k_proj, wk, bk), (dst.v_proj, wv, bv)):
+        proj.weight.copy_(w)
+        proj.bias.copy_(b)
+    dst.out_proj.weight.copy_(src.out_proj.weight)
+    dst.out_proj.bias.copy_(src.out_proj.bias)
+
+
+def _copy_linear_or_norm(dst: nn.Module, src: nn.Module) -> None:
+    dst.get_parameter("weight").copy_(src.get_parameter("weight"))
+    dst.get_parameter("bias").copy_(src.get_parameter("bias"))
+
+
+def _build_pair(norm_first: bool) -> tuple[nn.Transformer, Encoder, Decoder]:
+    """A torch nn.Transformer (random biases and norms too) and qkv stacks holding its weights."""
+    d_model, n_heads, d_ff, n_layers = 16, 4, 24, 2
+    ref = nn.Transformer(
+        d_model, n_heads, n_layers, n_layers, d_ff, dropout=0.0, activation="relu",
+        batch_first=True, norm_first=norm_first,
+    )  # fmt: skip
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if p.dim() == 1:  # biases are zero and norms are (1, 0) at init: make every one count
+                p.normal_(mean=1.0 if "norm" in name and name.endswith("weight") else 0.0, std=0.2)
+    cfg = BlockConfig(
+        d_model=d_model, n_heads=n_heads, d_ff=d_ff, dropout=0.0, activation="relu",
+        norm_placement="pre" if norm_first else "post",
+    )  # fmt: skip
+    enc = Encoder(cfg, n_layers, final_norm=True)
+    dec = Decoder(cfg, n_layers, final_norm=True, cross_attention=True)
+    with torch.no_grad():
+        for mine, theirs in zip(enc.layers, ref.encoder.layers, strict=True):
+            assert isinstance(mine, EncoderLayer)
+            _copy_attention(mine.self_attn, theirs.self_attn)
+            _copy_linear_or_norm(mine.ffn.up, theirs.linear1)
+            _copy_linear_or_norm(mine.ffn.down, theirs.linear2)
+            _copy_linear_or_norm(mine.attn_residual.norm, theirs.norm1)
+            _copy_linear_or_norm(mine.ffn_residual.norm, theirs.norm2)
+        for mine, theirs in zip(dec.layers, ref.decoder.layers, strict=True):
+            assert isinstance(mine, DecoderLayer)
+            assert mine.cross_attn is not None and mine.cross_residual is not None
+            _copy_attention(mine.self_attn, theirs.self_attn)
+            _copy_attention(mine.cross_attn, theirs.multihead_attn)
+            _copy_linear_or_norm(mine.ffn.up, theirs.linear1)
+            _copy_linear_or_norm(mine.ffn.down, theirs.linear2)
+            _copy_linear_or_norm(mine.self_residual.norm, theirs.norm1)
+            _copy_linear_or_norm(mine.cross_residual.norm, theirs.norm2)
+            _copy_linear_or_norm(mine.ffn_residual.norm, theirs.norm3)
+        assert enc.norm is not None and dec.norm is not None
+        _copy_linear_or_norm(enc.norm, ref.encoder.norm)
+        _copy_linear_or_norm(dec.norm, ref.decoder.norm)
+    n_ref = sum(p.numel() for p in ref.parameters())
+    assert sum(p.numel() for p in enc.parameters()) + sum(p.numel() for p in dec.parameters()) == n_ref
+    return ref, enc, dec
+
+
+def _inputs() -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    src = torch.randn(3, 7, 16)
+    tgt = torch.randn(3, 5, 16)
+    src_pad = ~padding_mask_from_lengths([7, 4, 2], max_len=7)[:, 0, 0]  # (B, S), True = padding (torch)
+    tgt_pad = ~padding_mask_from_lengths([5, 5, 3], max_len=5)[:, 0, 0]
+    return src, tgt, src_pad, tgt_pad
+
+
+@pytest.mark.filterwarnings("ignore:.*nested:UserWarning")
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_stacks_match_torch_transformer(norm_first: bool) -> None:
+    """Encoder output and decoder output equal nn.Transformer's with padding and the causal mask."""
+    ref, enc, dec = _build_pair(norm_first)
+    ref.train()  # dropout is 0; train mode keeps torch off its nested-tensor fast path
+    src, tgt, src_pad, tgt_pad = _inputs()
+    causal = nn.Transformer.generate_square_subsequent_mask(5) != 0  # bool, True = not allowed (torch)
+    with torch.no_grad():
+        ref_memory = ref.encoder(src, src_key_padding_mask=src_pad)
+        ref_out = ref.decoder(
+            tgt, ref_memory, tgt_mask=causal, tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=src_pad
+        )
+        ref_full = ref(
+            src, tgt, tgt_mask=causal, src_key_padding_mask=src_pad, tgt_key_padding_mask=tgt_pad,
+            memory_key_padding_mask=src_pad,
+        )  # fmt: skip
+        src_mask = ~src_pad[:, None, None, :]  # qkv: True = may attend
+        tgt_mask = ~tgt_pad[:, None, None, :]
+        memory, _ = enc(src, mask=src_mask)
+        out, _ = dec(tgt, memory, self_mask=tgt_mask, memory_mask=src_mask)
+    assert (memory - ref_memory).abs().max().item() <= 1e-5
+    assert (out - ref_out).abs().max().item() <= 1e-5
+    assert (out - ref_full).abs().max().item() <= 1e-5
+
+
+@pytest.mark.filterwarnings("ignore:.*nested:UserWarning")
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_stacks_match_torch_transformer_in_eval_mode_on_real_positions(norm_first: bool) -> None:
+    """In eval mode torch may take its fast path (zeroing padding): real positions still agree."""
+    ref, enc, dec = _build_pair(norm_first)
+    ref.eval()
+    enc.eval()
+    dec.eval()
+    src, tgt, src_pad, _ = _inputs()
+    causal = torch.ones(5, 5, dtype=torch.bool).triu(1)  # bool, True = not allowed
+    with torch.no_grad():
+        ref_memory = ref.encoder(src, src_key_padding_mask=src_pad)
+        ref_out = ref.decoder(tgt, ref_memory, tgt_mask=causal, memory_key_padding_mask=src_pad)
+        memory, _ = enc(src, mask=~src_pad[:, None, None, :])
+        out, _ = dec(tgt, memory, memory_mask=~src_pad[:, None, None, :])
+    real = ~src_pad
+    assert (memory[real] - ref_memory[real]).abs().max().item() <= 1e-5
+    assert (out - ref_out).abs().max().item() <= 1e-5
+
+
+def test_decoder_without_cross_attention_and_weights() -> None:
+    """A GPT-style decoder needs no memory; weights come back per layer; a cross-attending one needs memory."""
+    cfg = BlockConfig(d_model=16, n_heads=4, dropout=0.0, norm_placement="pre")
+    gpt = Decoder(cfg, 3, final_norm=True, cross_attention=False)
+    x = torch.randn(2, 5, 16)
+    out, maps = gpt(x, return_weights=True)
+    assert out.shape == (2, 5, 16)
+    assert len(maps.self_attn) == 3 and maps.cross_attn == []
+    for w in maps.self_attn:
+        assert w.shape == (2, 4, 5, 5)
+        assert (w.triu(1) == 0).all()  # causal
+    enc = Encoder(cfg, 2, final_norm=False)
+    _, enc_maps = enc(x, return_weights=True)
+    assert len(enc_maps.self_attn) == 2 and (enc_maps.self_attn[0].triu(1) > 0).any()  # bidirectional
+    dec = Decoder(cfg, 2, final_norm=True)
+    _, dmaps = dec(x, torch.randn(2, 3, 16), return_weights=True)
+    assert len(dmaps.cross_attn) == 2 and dmaps.cross_attn[0].shape == (2, 4, 5, 3)
+    with pytest.raises(QkvError, match=r"pass the encoder output as memory"):
+        dec(x)
+
+
+def test_block_config_validation() -> None:
+    """BlockConfig fills d_ff = 4·d_model and validates its fields by name."""
+    assert BlockConfig(d_model=16, n_heads=4).d_ff == 64
+    assert BlockConfig(d_model=16, n_heads=4).d_head == 4
+    with pytest.raises(QkvError, match=r"n_heads=5 must divide d_model=16"):
+        BlockConfig(d_model=16, n_heads=5)
+    with pytest.raises(QkvError, match=r"n_kv_heads=3 must divide n_heads=4"):
+        BlockConfig(d_model=16, n_heads=4, n_kv_heads=3)
+    with pytest.raises(QkvError, match=r"unknown norm_placement 'middle'"):
+        BlockConfig(norm_placement="middle")  # type: ignore[arg-type]
+    with pytest.raises(QkvError, match=r"norm_eps must be positive"):
+        BlockConfig(norm_eps=0.0)
+    with pytest.raises(QkvError, match=r"d_ff must be a positive integer"):
+        BlockConfig(d_ff=0)
+
+
+def test_swiglu_block_runs_and_differs_from_relu() -> None:
+    """A SwiGLU / RMSNorm block is a working configuration end to end."""
+    cfg = BlockConfig(d_model=16, n_heads=4, n_kv_heads=2, activation="swiglu", norm="rms", norm_placement="pre")
+    layer = EncoderLayer(cfg)
+    assert layer.ffn.gate is not None
+    x = torch.randn(2, 5, 16)
+    out, _ = layer(x)
+    assert out.shape == x.shape and torch.isfinite(out).all()
+    assert F.mse_loss(out, x).item() > 0
