@@ -4,6 +4,7 @@ from qkv.attention import MultiHeadAttention, scaled_dot_product_attention
 from qkv.config import BlockConfig, DecoderLMConfig, EncoderConfig, ModelConfig, TransformerConfig
 from qkv.errors import QkvError
 from qkv.models import DecoderLM, EncoderModel, Transformer
+from qkv.training import TrainConfig, load, train
 
 __version__ = "0.1.0"
 
@@ -16,7 +17,10 @@ __all__ = [
     "ModelConfig",
     "MultiHeadAttention",
     "QkvError",
+    "TrainConfig",
     "Transformer",
     "TransformerConfig",
+    "load",
     "scaled_dot_product_attention",
+    "train",
 ]

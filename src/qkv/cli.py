@@ -40,6 +40,7 @@ def _model_option(text: str) -> tuple[str, Any]:
 def _add_train(sub: Any) -> None:
     """`qkv train` and its options (defaults live in TrainConfig: the speed-tuned recipe)."""
     p = sub.add_parser("train", help="train a character- or BPE-level language model")
+    p.set_defaults(handler=_cmd_train)
     p.add_argument("--data", help="UTF-8 text file to train on (default: the embedded Shakespeare corpus)")
     p.add_argument("--tokenizer", help="char (default) or bpe (byte-level BPE trained on the train split)")
     p.add_argument("--vocab-size", type=int, dest="bpe_vocab_size", help="BPE vocabulary size (default 1024)")
@@ -74,6 +75,7 @@ def _add_train(sub: Any) -> None:
 def _add_generate(sub: Any) -> None:
     """`qkv generate`."""
     p = sub.add_parser("generate", help="sample text from a trained run, streamed as it is produced")
+    p.set_defaults(handler=_cmd_generate)
     p.add_argument("run_dir", help="a run directory written by `qkv train`")
     p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     p.add_argument("--max-new-tokens", type=int, default=500)
@@ -90,6 +92,7 @@ def _add_generate(sub: Any) -> None:
 def _add_eval(sub: Any) -> None:
     """`qkv eval`."""
     p = sub.add_parser("eval", help="loss and perplexity over the whole validation split")
+    p.set_defaults(handler=_cmd_eval)
     p.add_argument("run_dir", help="a run directory written by `qkv train`")
     p.add_argument("--checkpoint", default="best", help="best or last")
     p.add_argument("--batch-size", type=int, default=32)
@@ -100,9 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The full `qkv` argument parser."""
     parser = _Parser(prog="qkv", description="qkv — the Transformer, complete.")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
-    _add_train(sub)
-    _add_generate(sub)
-    _add_eval(sub)
+    # Each command registers its own sub-parser and sets `handler`; feature rooms add theirs here.
+    for register in (_add_train, _add_generate, _add_eval):
+        register(sub)
     return parser
 
 
@@ -117,7 +120,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     model = {k: getattr(args, k) for k in ("n_layers", "d_model", "n_heads", "dropout") if getattr(args, k) is not None}
     model.update(dict(args.model))
     if model:
-        settings["model"] = {**TrainConfig().model, **model}
+        settings["model"] = model  # merged over the default recipe's model by TrainConfig
     if args.resume:
         from qkv.training.run import read_run_config
 
@@ -201,12 +204,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `qkv` command; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    commands = {"train": _cmd_train, "generate": _cmd_generate, "eval": _cmd_eval}
     if args.command is None:
         parser.print_help()
         return 0
     try:
-        return commands[args.command](args)
+        return int(args.handler(args))
     except QkvError as e:
         print(f"qkv {args.command}: error: {e}", file=sys.stderr)
         return 2

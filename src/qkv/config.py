@@ -33,7 +33,7 @@ class BlockConfig:
     d_model: int = 512
     n_heads: int = 8
     n_kv_heads: int | None = None  # None = n_heads (multi-head); 1 = multi-query; else grouped-query
-    d_ff: int | None = None  # None = 4 · d_model
+    d_ff: int | None = None  # None = 4 · d_model (ReLU/GELU) or ⌈8/3 · d_model⌉₈ (SwiGLU)
     dropout: float = 0.1
     bias: bool = True
     activation: Activation = "relu"
@@ -52,7 +52,9 @@ class BlockConfig:
         if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads != 0):
             raise QkvError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
         if self.d_ff is None:
-            self.d_ff = 4 * self.d_model
+            # SwiGLU has three matrices instead of two: 8/3 · d_model (rounded up to a multiple of 8)
+            # keeps its parameters and FLOPs equal to a 4 · d_model ReLU/GELU layer's.
+            self.d_ff = 4 * self.d_model if self.activation != "swiglu" else -(-8 * self.d_model // 24) * 8
         _positive(self, "d_ff")
         if not 0.0 <= self.dropout < 1.0:
             raise QkvError(f"dropout must be in [0, 1), got {self.dropout}")

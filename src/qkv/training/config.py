@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from qkv.config import DecoderLMConfig
@@ -15,7 +16,7 @@ TOKENIZERS = ("char", "bpe")
 
 # The default recipe (see README, "The default recipe"): nanoGPT's CPU shape (4 layers × 128, block 64,
 # batch 12, 2,000 steps) with a modern block — rotary positions, RMSNorm, SwiGLU, no biases — and a
-# 2× higher peak learning rate: full-val loss 1.82 instead of 1.96 for the same steps.
+# 2× higher peak learning rate (decaying to lr/20): full-val loss 1.82 instead of 1.96 for the same steps.
 DEFAULT_MODEL: dict[str, Any] = {
     "n_layers": 4,
     "d_model": 128,
@@ -23,7 +24,6 @@ DEFAULT_MODEL: dict[str, Any] = {
     "positions": "rotary",
     "norm": "rms",
     "activation": "swiglu",
-    "d_ff": 352,  # ≈ 8/3 · d_model: SwiGLU's three matrices then cost what ReLU's two of 4 · d_model do
     "bias": False,
     "dropout": 0.0,
 }
@@ -43,7 +43,7 @@ class TrainConfig:
     max_steps: int = 2000
     max_time: float | None = None  # seconds; stop early (and save) when the budget is spent
     lr: float = 2e-3
-    min_lr: float | None = 1e-4  # None = lr / 10
+    min_lr: float | None = None  # None = lr / 20
     warmup_steps: int = 100
     schedule: str = "cosine"
     weight_decay: float = 0.1
@@ -89,6 +89,9 @@ class TrainConfig:
             raise QkvError(f"eval-tokens must be ≥ 2, got {self.eval_tokens}")
         if not isinstance(self.model, dict):
             raise QkvError(f"model must be a dict of DecoderLMConfig fields, got {type(self.model).__name__}")
+        self.model = {**DEFAULT_MODEL, **self.model}  # settings given override the default recipe's
+        if self.data is not None:
+            self.data = str(Path(self.data).expanduser().resolve())  # so eval/resume work from any directory
         known = {f.name for f in dataclasses.fields(DecoderLMConfig)}
         unknown = sorted(set(self.model) - known)
         if unknown:
@@ -100,7 +103,7 @@ class TrainConfig:
     @property
     def final_lr(self) -> float:
         """The learning rate at the end of the schedule."""
-        return self.lr / 10 if self.min_lr is None else self.min_lr
+        return self.lr / 20 if self.min_lr is None else self.min_lr
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""

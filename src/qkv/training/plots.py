@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only: no display needed, works headless and in CI
-import matplotlib.pyplot as plt
-
 
 def plot_losses(metrics: list[dict[str, Any]], path: Path, title: str = "Training curves") -> None:
     """Train and val cross-entropy against optimiser steps, written to `path` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: works headless and in CI (imported here: `import qkv` stays light)
+    import matplotlib.pyplot as plt
+
     steps = [m["step"] for m in metrics]
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     ax.plot(steps, [m["train_loss"] for m in metrics], marker="o", ms=3, label="train")

@@ -1,0 +1,119 @@
+"""Training throughput: tokens/s and MFU of a DecoderLM config on this machine.
+
+MFU (model FLOPs utilisation) = model FLOPs per second / peak fp32 matmul FLOP/s, with the peak
+measured in the same run (large square matmuls), so the ratio means the same on any machine.
+Model FLOPs per token follow the PaLM/nanoGPT estimate: 6·N (forward + backward through the
+non-embedding weights, including the output head) + 12·L·T·d (attention scores and mixing).
+
+    python benchmarks/train_throughput.py                         # the default `qkv train` shape
+    python benchmarks/train_throughput.py --n-layers 6 --d-model 384 --n-heads 6 --block-size 256 --batch-size 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from qkv import DecoderLM, DecoderLMConfig
+from qkv.training.config import DEFAULT_MODEL
+
+
+@dataclass
+class Throughput:
+    """One measurement."""
+
+    tokens_per_s: float
+    ms_per_step: float
+    model_tflops_per_s: float
+    peak_tflops_per_s: float
+    mfu: float
+    params_m: float
+    flops_per_token: float
+
+
+def peak_matmul_flops(n: int = 2048, repeats: int = 10) -> float:
+    """Best observed fp32 FLOP/s of an n×n @ n×n matmul (2·n³ FLOPs each)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def flops_per_token(model: DecoderLM) -> float:
+    """6·N_non-embedding + 12·L·T·d; the tied head counts as a matmul, the position table does not."""
+    cfg = model.cfg
+    n = sum(p.numel() for p in model.parameters())
+    n -= 0 if cfg.tie_embeddings else model.embed.tokens.weight.numel()  # an untied input table is a lookup
+    if model.embed.positions is not None:
+        n -= sum(p.numel() for p in model.embed.positions.parameters())
+    return 6 * n + 12 * cfg.n_layers * cfg.max_positions * cfg.d_model
+
+
+def measure(cfg: DecoderLMConfig, batch_size: int, steps: int = 20, warmup: int = 3) -> Throughput:
+    """Time full training steps (forward, backward, fused AdamW) on random tokens."""
+    torch.manual_seed(0)
+    model = DecoderLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.max_positions))
+    y = torch.randint(0, cfg.vocab_size, (batch_size, cfg.max_positions))
+    peak = peak_matmul_flops()
+    for i in range(warmup + steps):
+        if i == warmup:
+            start = time.perf_counter()
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    seconds = (time.perf_counter() - start) / steps
+    peak = max(peak, peak_matmul_flops())  # measured before and after: the best one is the peak
+    tokens_per_s = batch_size * cfg.max_positions / seconds
+    fpt = flops_per_token(model)
+    achieved = tokens_per_s * fpt
+    return Throughput(
+        tokens_per_s, seconds * 1000, achieved / 1e12, peak / 1e12, achieved / peak,
+        sum(p.numel() for p in model.parameters()) / 1e6, fpt,
+    )  # fmt: skip
+
+
+def main() -> None:
+    """Parse a model shape, measure, print a table and JSON."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n-layers", type=int, default=DEFAULT_MODEL["n_layers"])
+    p.add_argument("--d-model", type=int, default=DEFAULT_MODEL["d_model"])
+    p.add_argument("--n-heads", type=int, default=DEFAULT_MODEL["n_heads"])
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=12)
+    p.add_argument("--vocab-size", type=int, default=78)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--gpt", action="store_true", help="nanoGPT's block (learned positions, LayerNorm, GELU, biases)")
+    p.add_argument("--json", help="also write the result to this file")
+    args = p.parse_args()
+    block = {} if args.gpt else {k: v for k, v in DEFAULT_MODEL.items() if k not in ("n_layers", "d_model", "n_heads")}
+    if not args.gpt and args.d_model != DEFAULT_MODEL["d_model"]:
+        block.pop("d_ff", None)
+    cfg = DecoderLMConfig(
+        vocab_size=args.vocab_size, n_layers=args.n_layers, d_model=args.d_model, n_heads=args.n_heads,
+        max_positions=args.block_size, **block,
+    )  # fmt: skip
+    result = measure(cfg, args.batch_size, args.steps)
+    print(f"config: {args.n_layers} layers × {args.d_model}, {args.n_heads} heads, block {args.block_size}, "
+          f"batch {args.batch_size}, {'GPT block' if args.gpt else 'qkv default block'}, "
+          f"{torch.get_num_threads()} threads")  # fmt: skip
+    print(f"{'params':>10} {'tokens/s':>10} {'ms/step':>9} {'model TFLOP/s':>14} {'peak TFLOP/s':>13} {'MFU':>6}")
+    print(f"{result.params_m:>9.2f}M {result.tokens_per_s:>10,.0f} {result.ms_per_step:>9.1f} "
+          f"{result.model_tflops_per_s:>14.4f} {result.peak_tflops_per_s:>13.4f} {result.mfu:>6.1%}")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": cfg.to_dict(), "batch_size": args.batch_size, **asdict(result)}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

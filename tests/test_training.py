@@ -1,0 +1,446 @@
+"""Tests for qkv.training: exact resume after SIGKILL and Ctrl-C, crash-safe checkpoints, the eval protocol,
+the run directory, and cached vs uncached generation on a trained run.
+
+Every model here is tiny (1 layer, d_model 32, block 32, batch 4) on a 20,000-character excerpt of the
+embedded corpus, so the whole file stays fast on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from qkv.attention import new_cache
+from qkv.config import DecoderLMConfig
+from qkv.data import eval_windows, load_shakespeare
+from qkv.errors import QkvError
+from qkv.generation import generate, stream
+from qkv.models import DecoderLM
+from qkv.training import TrainConfig, evaluate_loss, load, train
+from qkv.training import checkpoint as ckpt
+from qkv.training.dataset import prepare_text_data
+from qkv.training.trainer import make_optimizer
+
+MODEL = {"n_layers": 1, "d_model": 32, "n_heads": 2, "dropout": 0.1}
+TINY_ARGS = ["--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--dropout", "0.1", "--block-size", "32",
+             "--batch-size", "4", "--eval-interval", "5", "--eval-tokens", "2000", "--sample-tokens", "0",
+             "--device", "cpu"]  # fmt: skip
+COMPARED = ("step", "tokens_seen", "train_loss", "val_loss")
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Run in-process training single-threaded, like the OMP_NUM_THREADS=1 subprocesses, so floats match bit for bit."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _qkv(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`python -m qkv ARGS` in a fresh process (one BLAS thread: the box has two cores and is shared)."""
+    return subprocess.run([sys.executable, "-m", "qkv", *args], capture_output=True, text=True, cwd=cwd,
+                          env=_env(), timeout=300)  # fmt: skip
+
+
+def _env() -> dict[str, str]:
+    """The environment of every subprocess."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _tiny_config(corpus: Path, out_dir: Path, max_steps: int, **overrides: Any) -> TrainConfig:
+    """The in-process twin of `qkv train --data CORPUS TINY_ARGS --max-steps N --out-dir OUT`.
+
+    Like the CLI, the --n-layers etc. values are laid over the default recipe's model fields.
+    """
+    model = {**TrainConfig().model, **MODEL}
+    settings: dict[str, Any] = {"data": str(corpus), "model": model, "block_size": 32, "batch_size": 4,
+                                "eval_interval": 5, "eval_tokens": 2000, "sample_tokens": 0, "device": "cpu",
+                                "max_steps": max_steps, "out_dir": str(out_dir)}  # fmt: skip
+    return TrainConfig(**{**settings, **overrides})
+
+
+def _rows(run_dir: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl rows, restricted to the fields a resumed run must reproduce exactly."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: json.loads(line)[k] for k in COMPARED} for line in lines if line.strip()]
+
+
+def _state_step(run_dir: Path) -> int | None:
+    """The step of the checkpoint in run_dir, or None while there is none."""
+    try:
+        return int(json.loads((run_dir / "last_state.json").read_text())["extra"]["step"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 20,000-character text: 18,000 train / 2,000 val characters."""
+    path = tmp_path_factory.mktemp("data") / "excerpt.txt"
+    path.write_text(load_shakespeare()[:20_000], encoding="utf-8")
+    return path
+
+
+class _References:
+    """Uninterrupted in-process runs, one per max_steps, trained on first use."""
+
+    def __init__(self, root: Path, corpus: Path) -> None:
+        self.root, self.corpus, self.runs = root, corpus, {}  # type: ignore[var-annotated]
+
+    def __call__(self, max_steps: int) -> Path:
+        if max_steps not in self.runs:
+            out = self.root / f"ref-{max_steps}"
+            with _one_thread():
+                result = train(_tiny_config(self.corpus, out, max_steps), verbose=False)
+            assert result.step == max_steps and not result.interrupted
+            self.runs[max_steps] = out
+        return self.runs[max_steps]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> _References:
+    """Uninterrupted runs with the settings of TINY_ARGS (seed 1337), shared by the tests of this file."""
+    return _References(tmp_path_factory.mktemp("reference"), corpus)
+
+
+# --- 1. resume is exact -------------------------------------------------------------------------------
+
+
+def _killed_run(corpus: Path, out: Path, max_steps: int) -> int | None:
+    """Start a run, SIGKILL it once a checkpoint at step ≥ 10 exists; the checkpoint step, or None if it finished."""
+    proc = subprocess.Popen([sys.executable, "-m", "qkv", "train", "--data", str(corpus), *TINY_ARGS,
+                             "--max-steps", str(max_steps), "--out-dir", str(out)],
+                            cwd=out.parent, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and time.monotonic() < deadline:
+            step = _state_step(out)
+            if step is not None and step >= 10:
+                os.kill(proc.pid, signal.SIGKILL)
+                break
+            time.sleep(0.002)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode == -signal.SIGKILL:
+        return _state_step(out)
+    assert proc.returncode == 0, f"training failed before the kill:\n{stderr.decode()}"
+    return None  # finished before we saw a step-10 checkpoint: the caller retries with a longer run
+
+
+def test_sigkill_then_resume_reproduces_the_uninterrupted_metrics(
+    tmp_path: Path, corpus: Path, reference: _References
+) -> None:
+    """SIGKILL mid-run + `--resume` gives bit-identical metrics.jsonl rows (dropout 0.1, so RNG restore matters)."""
+    for max_steps in (40, 80, 160):  # a longer run if the machine was fast enough to finish first
+        killed = tmp_path / f"killed-{max_steps}"
+        step_at_kill = _killed_run(corpus, killed, max_steps)
+        if step_at_kill is not None:
+            break
+    assert step_at_kill is not None, "every run finished before it could be killed"
+    assert 10 <= step_at_kill < max_steps  # the kill really landed mid-run
+    assert len(_rows(killed)) < max_steps // 5
+
+    resumed = _qkv("train", "--resume", "--out-dir", str(killed), cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "Traceback" not in resumed.stderr
+    assert f"after {max_steps} steps" in resumed.stdout
+    logged_steps = [int(s) for s in re.findall(r"^step +(\d+) ", resumed.stderr, flags=re.M)]
+    assert logged_steps == list(range(step_at_kill + 5, max_steps + 1, 5))  # continued, did not restart
+
+    expected = _rows(reference(max_steps))
+    assert [r["step"] for r in expected] == list(range(5, max_steps + 1, 5))
+    assert _rows(killed) == expected  # exact float equality, row by row
+
+
+def test_resuming_a_finished_run_takes_no_steps(tmp_path: Path, corpus: Path, reference: _References) -> None:
+    """`resume` on a run that already reached max_steps does nothing and leaves its files untouched."""
+    run = tmp_path / "done"
+    shutil.copytree(reference(40), run)
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    with _one_thread():
+        result = train(_tiny_config(corpus, run, 40, resume=True), verbose=False)
+    assert result.step == 40
+    assert not result.interrupted
+    assert [{k: m[k] for k in COMPARED} for m in result.metrics] == _rows(run)
+    assert len(result.metrics) == 8
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+
+
+# --- 2. checkpoints are never half-written ----------------------------------------------------------------
+
+
+def _tiny_lm() -> DecoderLM:
+    return DecoderLM(DecoderLMConfig(vocab_size=11, n_layers=1, d_model=16, n_heads=2, max_positions=8))
+
+
+def _step(model: DecoderLM, opt: torch.optim.Optimizer, gen: torch.Generator) -> None:
+    """One optimiser step on a random batch drawn from gen."""
+    x = torch.randint(0, 11, (2, 8), generator=gen)
+    F.cross_entropy(model(x).flatten(0, 1), x.roll(-1, 1).flatten()).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _save(directory: Path, model: DecoderLM, opt: torch.optim.Optimizer, gen: torch.Generator, step: int) -> None:
+    ckpt.save_training_state(directory, model_state=model.state_dict(), optimizer=opt, extra={"step": step},
+                             generators={"data": gen})  # fmt: skip
+
+
+def test_save_that_fails_midway_keeps_a_loadable_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """os.replace failing at any point of a save leaves one consistent checkpoint: the old one, or the new one."""
+    torch.manual_seed(0)
+    model = _tiny_lm()
+    opt = make_optimizer(model, TrainConfig(), torch.device("cpu"))
+    gen = torch.Generator().manual_seed(5)
+    run = tmp_path / "run"
+    _step(model, opt, gen)
+    _save(run, model, opt, gen, step=1)
+    old_files = {p.name: p.read_bytes() for p in run.iterdir()}
+    assert sorted(old_files) == ["last.safetensors", "last_optim.safetensors", "last_state.json"]
+    old_weights = {k: v.clone() for k, v in model.state_dict().items()}
+    _step(model, opt, gen)
+    new_weights = {k: v.clone() for k, v in model.state_dict().items()}
+
+    real_replace = os.replace
+    outcomes = []
+    for fail_at in range(1, 20):
+        calls = 0
+
+        def flaky_replace(src: Any, dst: Any, fail_at: int = fail_at) -> None:
+            nonlocal calls
+            calls += 1
+            if calls == fail_at:
+                raise OSError("simulated crash in os.replace")
+            real_replace(src, dst)
+
+        monkeypatch.setattr(os, "replace", flaky_replace)
+        try:
+            _save(run, model, opt, gen, step=2)
+        except OSError as e:
+            assert str(e) == "simulated crash in os.replace"
+        else:
+            monkeypatch.undo()
+            break
+        monkeypatch.undo()
+        state, extra = ckpt.load_training_state(run, make_optimizer(_tiny_lm(), TrainConfig(), torch.device("cpu")),
+                                                {"data": torch.Generator()})  # fmt: skip
+        outcomes.append(extra["step"])
+        expected = old_weights if extra["step"] == 1 else new_weights
+        assert all(torch.equal(state[k], expected[k]) for k in expected), fail_at
+        if extra["step"] == 1:  # not committed: the previous checkpoint is byte-for-byte intact
+            assert {p.name: p.read_bytes() for p in run.iterdir()} == old_files, fail_at
+        else:  # committed: loading finished moving the new files into place
+            assert sorted(p.name for p in run.iterdir()) == sorted(old_files), fail_at
+            assert torch.equal(ckpt.load_safetensors(run / "last.safetensors")["lm_head.weight"],
+                               new_weights["lm_head.weight"])  # fmt: skip
+        assert not [p.name for p in run.iterdir() if p.name.startswith(".") or p.name.endswith(".tmp")]
+        _save(run, _restore(model, old_weights), opt, gen, step=1)  # back to the old checkpoint for the next case
+        old_files = {p.name: p.read_bytes() for p in run.iterdir()}
+        model.load_state_dict(new_weights)
+    # The first failures land before the commit (old checkpoint kept), the later ones after it.
+    assert outcomes[:2] == [1, 1]
+    assert outcomes[-1] == 2
+
+
+def _restore(model: DecoderLM, weights: dict[str, torch.Tensor]) -> DecoderLM:
+    model.load_state_dict(weights)
+    return model
+
+
+# --- 6. the evaluation protocol -----------------------------------------------------------------------
+
+
+def test_eval_windows_cover_every_target_exactly_once() -> None:
+    """Concatenated targets are data[1:], in order, for lengths that are and are not multiples of the block."""
+    for n in (2, 9, 17, 33, 40):
+        data = torch.arange(100, 100 + n)
+        ys = [y.flatten() for _, y in eval_windows(data, 8, 3)]
+        assert torch.equal(torch.cat(ys), data[1:]), n
+
+
+def test_evaluate_loss_equals_a_manual_loop_over_positions() -> None:
+    """evaluate_loss == mean over t = 1 .. n-1 of -log p(data[t] | the window's tokens before t)."""
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderLMConfig(vocab_size=13, n_layers=1, d_model=16, n_heads=2, max_positions=8)).eval()
+    model.double()
+    data = torch.randint(0, 13, (30,), generator=torch.Generator().manual_seed(1))  # 29 targets: 3 full windows + 5
+    block = 8
+    losses = []
+    with torch.no_grad():
+        for t in range(1, len(data)):
+            start = (t - 1) // block * block  # the window holding target t starts here
+            logits = model(data[start:t][None])[0, -1]
+            losses.append(float(F.cross_entropy(logits[None], data[t : t + 1])))
+    manual = sum(losses) / len(losses)
+    assert len(losses) == 29
+    # evaluate_loss takes the cross-entropy in float32; a position counted twice or skipped moves the mean by ~0.1.
+    for batch_size in (1, 2, 64):
+        assert evaluate_loss(model, data, block, batch_size) == pytest.approx(manual, abs=1e-6)
+    assert evaluate_loss(model, data, block, 4, max_tokens=17) == pytest.approx(sum(losses[:16]) / 16, abs=1e-6)
+    assert abs(manual - sum(losses[1:]) / 28) > 1e-3  # the tolerance above is far below one position's weight
+    with pytest.raises(QkvError, match="need at least 2 tokens to evaluate"):
+        evaluate_loss(model, data[:1], block)
+
+
+# --- 7. the run directory -----------------------------------------------------------------------------
+
+
+def test_run_directory_contents(reference: _References) -> None:
+    """config.json, weights, tokenizer, metrics with every key, a real PNG, and no pickle anywhere."""
+    run = reference(40)
+    names = {p.name for p in run.iterdir()}
+    assert {"config.json", "model.safetensors", "last.safetensors", "last_optim.safetensors", "last_state.json",
+            "tokenizer.json", "metrics.jsonl", "loss.png"} <= names  # fmt: skip
+    assert not [n for n in names if n.startswith(".")]  # no temp or staged files left behind
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [5, 10, 15, 20, 25, 30, 35, 40]
+    for r in rows:
+        assert set(r) == {"step", "tokens_seen", "elapsed_s", "train_loss", "val_loss", "lr"}
+        assert r["tokens_seen"] == r["step"] * 4 * 32
+        assert math.isfinite(r["train_loss"]) and math.isfinite(r["val_loss"]) and r["lr"] > 0
+    assert rows[-1]["val_loss"] < rows[0]["val_loss"]  # it learned something
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    config = json.loads((run / "config.json").read_text())
+    assert config["format"] == "qkv-run/1" and config["model"]["dropout"] == 0.1
+    assert config["training"]["max_steps"] == 40
+    # No pickle: every file parses as what its name says (a safetensors header is a little-endian
+    # length, so its first bytes may look like pickle magic; parsing is the real test).
+    for path in run.iterdir():
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt") as f:
+                assert list(f.keys()), path.name
+        elif path.suffix in (".json", ".jsonl"):
+            for line in path.read_text().splitlines() if path.suffix == ".jsonl" else [path.read_text()]:
+                json.loads(line)
+        else:
+            assert path.suffix == ".png", path.name
+        assert path.suffix not in ckpt.PICKLE_SUFFIXES, path.name
+    for name in ("model.safetensors", "last.safetensors", "last_optim.safetensors"):
+        assert safetensors.torch.load_file(run / name)  # parses as safetensors, not merely named so
+
+
+# --- 4. generation with and without the KV cache --------------------------------------------------------
+
+
+def test_cached_generation_matches_uncached_on_a_trained_run(reference: _References) -> None:
+    """Greedy and seeded sampling give the same tokens with and without the cache, past the 32-token context."""
+    run = load(reference(40))
+    ids = run.tokenizer.encode_tensor("ROMEO:\n")[None].repeat(2, 1)
+    greedy = [generate(run.model, ids, 40, temperature=0.0, use_cache=c) for c in (True, False)]
+    assert greedy[0].shape == (2, 7 + 40)
+    assert torch.equal(greedy[0], greedy[1])
+    for top_k, top_p in ((None, None), (10, None), (None, 0.9)):
+        sampled = [
+            generate(run.model, ids, 40, 0.8, top_k, top_p, use_cache=c, generator=torch.Generator().manual_seed(3))
+            for c in (True, False)
+        ]
+        assert torch.equal(sampled[0], sampled[1]), (top_k, top_p)
+        assert not torch.equal(sampled[0], greedy[0])  # really sampled
+
+
+class _ScriptedLM:
+    """A stub model: row r emits SCRIPT[r][k] at step k, whatever the input (eos = 0)."""
+
+    SCRIPT = ([5, 0, 9, 9, 9, 9, 9, 9], [3, 4, 0, 8, 8, 8, 8, 8], [7, 7, 7, 7, 0, 6, 6, 6])
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def new_cache(self, capacity: int = 256) -> Any:
+        return new_cache(1, capacity)
+
+    def __call__(self, ids: torch.Tensor, cache: Any = None) -> torch.Tensor:
+        logits = torch.full((3, ids.shape[1], 10), -1e4)
+        for row, script in enumerate(self.SCRIPT):
+            logits[row, -1, script[self.calls]] = 0.0
+        self.calls += 1
+        return logits
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_rows_stop_independently_at_eos(use_cache: bool) -> None:
+    """A row that produced eos only yields eos afterwards; generation ends when every row has."""
+    model = _ScriptedLM()
+    steps = list(stream(model, torch.ones(3, 2, dtype=torch.long), 8, temperature=0.0, eos_id=0, use_cache=use_cache))
+    assert torch.stack(steps, 1).tolist() == [[5, 0, 0, 0, 0], [3, 4, 0, 0, 0], [7, 7, 7, 7, 0]]
+    assert model.calls == 5  # stopped at the fifth step, not max_new_tokens = 8
+    sampled = list(stream(_ScriptedLM(), torch.ones(3, 1, dtype=torch.long), 8, temperature=1.0, eos_id=0,
+                          use_cache=use_cache, generator=torch.Generator().manual_seed(0)))  # fmt: skip
+    assert torch.stack(sampled, 1).tolist() == [[5, 0, 0, 0, 0], [3, 4, 0, 0, 0], [7, 7, 7, 7, 0]]
+
+
+# --- 8. Ctrl-C ------------------------------------------------------------------------------------------
+
+
+def test_ctrl_c_saves_a_resumable_checkpoint_and_exits_130(tmp_path: Path, corpus: Path) -> None:
+    """SIGINT between checkpoints: exit 130, a new checkpoint at the interrupted step, one --resume hint."""
+    out = tmp_path / "interrupted"
+    args = list(TINY_ARGS)
+    args[args.index("--eval-interval") + 1] = "50"  # the signal lands between checkpoints
+    proc = subprocess.Popen([sys.executable, "-m", "qkv", "train", "--data", str(corpus), *args,
+                             "--max-steps", "100000", "--out-dir", str(out)], cwd=tmp_path, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        logged = []
+        for line in proc.stderr:  # wait for the end of the first checkpoint (its log line comes last)
+            logged.append(line)
+            if line.startswith("step     50 "):
+                break
+        assert _state_step(out) == 50, "".join(logged)
+        time.sleep(0.05)  # a few steps into the next interval
+        os.kill(proc.pid, signal.SIGINT)
+        stdout, rest = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = "".join(logged) + rest
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    hints = [line for line in stderr.splitlines() if "--resume" in line]
+    assert len(hints) == 1, stderr
+    match = re.fullmatch(rf"interrupted at step (\d+): checkpoint saved; continue with --resume --out-dir {out}",
+                         hints[0])  # fmt: skip
+    assert match, hints[0]
+    step = int(match.group(1))
+    assert 50 < step < 100  # interrupted mid-interval ...
+    assert _state_step(out) == step  # ... and checkpointed at exactly that step
+    assert [r["step"] for r in _rows(out)] == [50, step]
+    assert "validation loss" in stdout
+
+    with _one_thread():
+        result = train(TrainConfig(out_dir=str(out), resume=True, max_steps=step + 3, device="cpu"), verbose=False)
+    assert result.step == step + 3 and not result.interrupted
+    assert [r["step"] for r in result.metrics][-2:] == [step, step + 3]
+    assert _state_step(out) == step + 3
+
+
+def test_prepare_text_data_splits_by_characters(corpus: Path) -> None:
+    """90 % / 10 % of the characters; the char vocabulary covers both splits."""
+    data = prepare_text_data(str(corpus))
+    assert (len(data.train_ids), len(data.val_ids)) == (18_000, 2_000)
+    assert data.tokenizer.decode(data.val_ids.tolist()) == corpus.read_text()[18_000:]
