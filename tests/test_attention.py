@@ -658,3 +658,16 @@ def test_mha_bad_inputs() -> None:
         padding_mask_from_lengths([2, -1])
     with pytest.raises(QkvError, match=r"a length exceeds max_len=2"):
         padding_mask_from_lengths([3], max_len=2)
+
+
+def test_kv_cache_grows_geometrically() -> None:
+    """Appending one token at a time reallocates O(log T) times, not once per token."""
+    from qkv.attention.cache import KVCache
+
+    cache = KVCache(capacity=4)
+    capacities = []
+    for _ in range(100):
+        cache.append(torch.randn(1, 2, 1, 3), torch.randn(1, 2, 1, 3))
+        capacities.append(cache.capacity)
+    assert sorted(set(capacities)) == [4, 8, 16, 32, 64, 128]
+    assert cache.length == 100

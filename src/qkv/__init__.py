@@ -3,6 +3,7 @@
 from qkv.attention import MultiHeadAttention, scaled_dot_product_attention
 from qkv.config import BlockConfig, DecoderLMConfig, EncoderConfig, ModelConfig, TransformerConfig
 from qkv.errors import QkvError
+from qkv.interop import from_hf
 from qkv.models import DecoderLM, EncoderModel, Transformer
 from qkv.training import TrainConfig, load, train
 
@@ -20,6 +21,7 @@ __all__ = [
     "TrainConfig",
     "Transformer",
     "TransformerConfig",
+    "from_hf",
     "load",
     "scaled_dot_product_attention",
     "train",

@@ -15,6 +15,9 @@ from typing import Any, NoReturn
 import torch
 
 from qkv.errors import QkvError
+from qkv.interop.cli import register as _add_convert
+from qkv.lab.cli import register as _add_lab
+from qkv.translation.cli import register as _add_translate
 
 
 class _Parser(argparse.ArgumentParser):
@@ -41,6 +44,10 @@ def _add_train(sub: Any) -> None:
     """`qkv train` and its options (defaults live in TrainConfig: the speed-tuned recipe)."""
     p = sub.add_parser("train", help="train a character- or BPE-level language model")
     p.set_defaults(handler=_cmd_train)
+    p.add_argument("task", nargs="?", default="lm", choices=("lm", "translate"),
+                   help="lm (default): the language model; translate: German → English (qkv.translation)")  # fmt: skip
+    p.add_argument("--batch-tokens", type=int, help="translate: padded tokens per side per batch")
+    p.add_argument("--label-smoothing", type=float, help="translate: label smoothing ε (default 0.1)")
     p.add_argument("--data", help="UTF-8 text file to train on (default: the embedded Shakespeare corpus)")
     p.add_argument("--tokenizer", help="char (default) or bpe (byte-level BPE trained on the train split)")
     p.add_argument("--vocab-size", type=int, dest="bpe_vocab_size", help="BPE vocabulary size (default 1024)")
@@ -97,6 +104,7 @@ def _add_eval(sub: Any) -> None:
     p.add_argument("--checkpoint", default="best", help="best or last")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--device", default="auto")
+    p.add_argument("--beam", type=int, default=4, help="translation runs: beam size compared with greedy")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,13 +112,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="qkv", description="qkv — the Transformer, complete.")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     # Each command registers its own sub-parser and sets `handler`; feature rooms add theirs here.
-    for register in (_add_train, _add_generate, _add_eval):
+    for register in (_add_train, _add_generate, _add_eval, _add_convert, _add_translate, _add_lab):
         register(sub)
     return parser
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
     """Train, report the full-validation loss, print a sample."""
+    if args.task == "translate":
+        from qkv.translation.cli import cmd_train_translate
+
+        return cmd_train_translate(args)
+    if args.batch_tokens is not None or args.label_smoothing is not None:
+        raise QkvError("--batch-tokens and --label-smoothing are options of `qkv train translate`")
     from qkv.training import TrainConfig, load, perplexity, train
 
     names = ("data", "tokenizer", "bpe_vocab_size", "block_size", "batch_size", "grad_accum", "max_steps",
@@ -184,7 +198,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    """Print loss and perplexity over the whole validation split."""
+    """Print loss and perplexity over the whole validation split (BLEU/chrF on the test split for translation)."""
+    from qkv.translation.run import model_type
+
+    if model_type(args.run_dir) == "transformer":
+        from qkv.translation.cli import cmd_eval_translate
+
+        return cmd_eval_translate(args)
     from qkv.training import evaluate_loss, load, perplexity
     from qkv.training.dataset import prepare_text_data
     from qkv.training.trainer import resolve_device

@@ -18,6 +18,7 @@ Positions = Literal["sinusoidal", "learned", "rotary", "none"]
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "activation": ("relu", "gelu", "gelu_tanh", "swiglu"),
+    "attention": ("mha", "mla"),
     "norm": ("layer", "rms", "batch"),
     "norm_placement": ("pre", "post"),
     "positions": ("sinusoidal", "learned", "rotary", "none"),
@@ -92,17 +93,25 @@ class ModelConfig(BlockConfig):
     tie_embeddings: bool = True
     scale_embeddings: bool = False  # multiply token embeddings by √d_model, as the paper does
     final_norm: bool | None = None  # None = a final norm for pre-norm stacks only
+    embedding_norm: bool = False  # a norm over the summed embeddings (BERT, BART)
+    position_offset: int = 0  # learned-position rows skipped before position 0 (BART reserves 2)
 
     def __post_init__(self) -> None:
         """Validate the model-level fields, then the block's."""
         super().__post_init__()
         _positive(self, "vocab_size", "n_layers", "max_positions")
+        _check_position_offset(self)
         if self.positions == "sinusoidal" and self.d_model % 2:
             raise QkvError(f"sinusoidal positions need an even d_model, got {self.d_model}")
         if self.positions == "rotary" and self.d_head % 2:
             raise QkvError(f"rotary positions need an even head dim, got d_model/n_heads={self.d_head}")
         if self.final_norm is None:
             self.final_norm = self.norm_placement == "pre"
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims per head that RoPE rotates: the whole head."""
+        return self.d_head
 
 
 @dataclass(kw_only=True)
@@ -112,6 +121,35 @@ class DecoderLMConfig(ModelConfig):
     norm_placement: NormPlacement = "pre"
     activation: Activation = "gelu"
     dropout: float = 0.0
+    # Multi-head latent attention (DeepSeek-V2/V3, qkv.attention.latent); these fields apply to "mla" only.
+    attention: Literal["mha", "mla"] = "mha"
+    kv_lora_rank: int | None = None  # d_c, the cached latent's width; None = 4 · d_head (DeepSeek-V2's ratio)
+    q_lora_rank: int | None = None  # the query latent's width; None = no query compression
+    qk_nope_head_dim: int | None = None  # per-head q/k dims without positions; None = d_head
+    qk_rope_head_dim: int | None = None  # per-head decoupled RoPE dims (even); None = d_head / 2
+    v_head_dim: int | None = None  # None = d_head
+    mla_absorb: bool = False  # attend against the cached latent, W_UK and W_UV folded into query and output
+    # Mixture-of-experts feed-forward (DeepSeek-V3, qkv.blocks.moe); moe_experts = 0 keeps every FFN dense.
+    moe_experts: int = 0  # routed experts per MoE layer
+    moe_top_k: int = 2  # routed experts each token uses
+    moe_shared_experts: int = 1  # experts every token uses
+    moe_d_ff: int | None = None  # each expert's hidden width; None = d_ff
+    moe_groups: int = 1  # expert groups for group-limited routing
+    moe_topk_groups: int = 1  # groups a token may route into
+    moe_norm_topk: bool = True  # renormalise the top-k gates to sum to 1
+    moe_scale: float = 1.0  # multiplier on the routed experts' gates (DeepSeek's routed_scaling_factor)
+    moe_first_dense: int = 0  # the first layers keep a dense FFN (DeepSeek's first_k_dense_replace)
+
+    def __post_init__(self) -> None:
+        """Validate, then the attention and mixture-of-experts fields."""
+        super().__post_init__()
+        _check_latent_attention(self)
+        _check_moe(self)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The RoPE dims per head: MLA rotates only its decoupled qk_rope_head_dim part."""
+        return self.qk_rope_head_dim if self.attention == "mla" and self.qk_rope_head_dim else self.d_head
 
 
 @dataclass(kw_only=True)
@@ -146,6 +184,9 @@ class TransformerConfig(BlockConfig):
     scale_embeddings: bool = True  # the paper multiplies embeddings by √d_model
     final_norm: bool | None = None
     pad_id: int = 0
+    embedding_norm: bool = False  # a norm over each side's summed embeddings (BART's layernorm_embedding)
+    position_offset: int = 0  # learned-position rows skipped before position 0 (BART reserves 2)
+    output_bias: bool = False  # a bias on the output projection (BART's final_logits_bias)
 
     def __post_init__(self) -> None:
         """Validate, including that shared embeddings need one vocabulary."""
@@ -159,6 +200,7 @@ class TransformerConfig(BlockConfig):
             )
         if self.positions == "sinusoidal" and self.d_model % 2:
             raise QkvError(f"sinusoidal positions need an even d_model, got {self.d_model}")
+        _check_position_offset(self)
         if self.final_norm is None:
             self.final_norm = self.norm_placement == "pre"
 
@@ -199,7 +241,63 @@ class TransformerConfig(BlockConfig):
             max_positions=self.max_positions,
             rope_base=self.rope_base,
             scale_embeddings=self.scale_embeddings,
+            embedding_norm=self.embedding_norm,
+            position_offset=self.position_offset,
         )
+
+
+def _check_position_offset(cfg: ModelConfig | TransformerConfig) -> None:
+    """A position offset only shifts a learned table, and cannot be negative."""
+    if cfg.position_offset < 0 or (cfg.position_offset and cfg.positions != "learned"):
+        raise QkvError(f"position_offset={cfg.position_offset} must be ≥ 0 and needs learned positions")
+
+
+def _check_latent_attention(cfg: DecoderLMConfig) -> None:
+    """MLA's fields: only with attention='mla', which needs rotary positions; fill the None defaults."""
+    fields = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mla_absorb")
+    if cfg.attention != "mla":
+        stray = [name for name in fields if getattr(cfg, name) not in (None, False)]
+        if stray:
+            raise QkvError(f"{', '.join(stray)} only apply to attention='mla' (got attention={cfg.attention!r})")
+        return
+    if cfg.positions != "rotary":
+        raise QkvError(f"attention='mla' needs positions='rotary' (its decoupled RoPE key), got {cfg.positions!r}")
+    if cfg.n_kv_heads is not None:
+        raise QkvError("n_kv_heads does not apply to attention='mla': every head reads the one shared latent")
+    defaults = {"kv_lora_rank": 4 * cfg.d_head, "qk_nope_head_dim": cfg.d_head,
+                "qk_rope_head_dim": max(2, cfg.d_head // 4 * 2), "v_head_dim": cfg.d_head}  # fmt: skip
+    for name, value in defaults.items():
+        if getattr(cfg, name) is None:
+            setattr(cfg, name, value)
+    _positive(cfg, *defaults)
+    if cfg.q_lora_rank is not None:
+        _positive(cfg, "q_lora_rank")
+    if cfg.qk_rope_head_dim is not None and cfg.qk_rope_head_dim % 2:
+        raise QkvError(f"qk_rope_head_dim must be even (RoPE rotates pairs of dims), got {cfg.qk_rope_head_dim}")
+
+
+def _check_moe(cfg: DecoderLMConfig) -> None:
+    """The mixture-of-experts fields, when moe_experts > 0; fill moe_d_ff."""
+    if not isinstance(cfg.moe_experts, int) or cfg.moe_experts < 0:
+        raise QkvError(f"moe_experts must be an integer ≥ 0 (0 = dense FFNs), got {cfg.moe_experts!r}")
+    if cfg.moe_experts == 0:
+        return
+    if cfg.moe_d_ff is None:
+        cfg.moe_d_ff = cfg.d_ff
+    _positive(cfg, "moe_top_k", "moe_groups", "moe_topk_groups", "moe_d_ff")
+    for name in ("moe_shared_experts", "moe_first_dense"):
+        if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 0:
+            raise QkvError(f"{name} must be an integer ≥ 0, got {getattr(cfg, name)!r}")
+    per_group = cfg.moe_experts // cfg.moe_groups
+    if cfg.moe_experts % cfg.moe_groups or (cfg.moe_groups > 1 and per_group < 2):
+        raise QkvError(f"moe_groups={cfg.moe_groups} must divide moe_experts={cfg.moe_experts} into groups of ≥ 2")
+    if cfg.moe_topk_groups > cfg.moe_groups:
+        raise QkvError(f"moe_topk_groups={cfg.moe_topk_groups} exceeds moe_groups={cfg.moe_groups}")
+    if cfg.moe_top_k > cfg.moe_topk_groups * per_group:
+        reachable = cfg.moe_topk_groups * per_group
+        raise QkvError(f"moe_top_k={cfg.moe_top_k} exceeds the {reachable} experts a token may reach")
+    if cfg.moe_scale <= 0:
+        raise QkvError(f"moe_scale must be positive, got {cfg.moe_scale}")
 
 
 def _positive(cfg: object, *names: str) -> None:

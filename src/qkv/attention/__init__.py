@@ -1,6 +1,7 @@
 """Attention: scaled dot-product attention, masks, multi-head / grouped-query attention, KV caches."""
 
 from qkv.attention.cache import KVCache, LayerCache, cache_length, new_cache, reorder_cache
+from qkv.attention.latent import LatentAttention, LatentKVCache, set_absorb
 from qkv.attention.masks import (
     causal_mask,
     combine_masks,
@@ -13,6 +14,8 @@ from qkv.attention.sdpa import scaled_dot_product_attention
 
 __all__ = [
     "KVCache",
+    "LatentAttention",
+    "LatentKVCache",
     "LayerCache",
     "MultiHeadAttention",
     "cache_length",
@@ -23,5 +26,6 @@ __all__ = [
     "padding_mask_from_lengths",
     "reorder_cache",
     "scaled_dot_product_attention",
+    "set_absorb",
     "sliding_window_mask",
 ]

@@ -35,9 +35,8 @@ class KVCache:
 
     def _grow(self, k: Tensor, v: Tensor, needed: int) -> None:
         """Reallocate with doubled capacity so appends stay amortised O(1)."""
-        capacity = max(self.capacity, needed)
-        while capacity < needed:
-            capacity *= 2
+        # The first buffer takes the configured capacity; each regrowth at least doubles it.
+        capacity = max(self.capacity if self._k is None else 2 * self.capacity, needed)
         self.capacity = capacity
         new_k = k.new_empty(*k.shape[:-2], capacity, k.shape[-1])
         new_v = v.new_empty(*v.shape[:-2], capacity, v.shape[-1])

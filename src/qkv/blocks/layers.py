@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 from torch import Tensor, nn
 
 from qkv.attention import LayerCache, MultiHeadAttention
+from qkv.attention.latent import LatentAttention
 from qkv.blocks.feed_forward import FeedForward
+from qkv.blocks.moe import MoEFeedForward
 from qkv.blocks.residual import ResidualNorm
-from qkv.config import BlockConfig
+from qkv.config import BlockConfig, DecoderLMConfig
 from qkv.errors import QkvError
 from qkv.norms import make_norm
 
@@ -29,14 +31,18 @@ class AttentionMaps:
     cross_attn: list[Tensor] = field(default_factory=list)
 
 
-def _attention(cfg: BlockConfig) -> MultiHeadAttention:
-    """A MultiHeadAttention shaped by the block config."""
+def _attention(cfg: BlockConfig) -> MultiHeadAttention | LatentAttention:
+    """A MultiHeadAttention shaped by the block config (LatentAttention for attention='mla')."""
+    if isinstance(cfg, DecoderLMConfig) and cfg.attention == "mla":
+        return LatentAttention.from_config(cfg)
     return MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, bias=cfg.bias, dropout=cfg.dropout)
 
 
-def _feed_forward(cfg: BlockConfig) -> FeedForward:
-    """A FeedForward shaped by the block config."""
+def _feed_forward(cfg: BlockConfig, index: int = 0) -> FeedForward | MoEFeedForward:
+    """A FeedForward shaped by the block config (a mixture of experts past the config's first dense layers)."""
     assert cfg.d_ff is not None
+    if isinstance(cfg, DecoderLMConfig) and cfg.moe_experts and index >= cfg.moe_first_dense:
+        return MoEFeedForward.from_config(cfg)
     return FeedForward(cfg.d_model, cfg.d_ff, cfg.activation, cfg.dropout, cfg.bias)
 
 
@@ -68,13 +74,13 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     """Causal self-attention, optional cross-attention to the encoder output, then feed-forward."""
 
-    def __init__(self, cfg: BlockConfig, cross_attention: bool = True) -> None:
+    def __init__(self, cfg: BlockConfig, cross_attention: bool = True, index: int = 0) -> None:
         super().__init__()
         self.self_attn = _attention(cfg)
         self.self_residual = ResidualNorm(cfg)
         self.cross_attn = _attention(cfg) if cross_attention else None
         self.cross_residual = ResidualNorm(cfg) if cross_attention else None
-        self.ffn = _feed_forward(cfg)
+        self.ffn = _feed_forward(cfg, index)  # index: which layer of the stack this is
         self.ffn_residual = ResidualNorm(cfg)
 
     def forward(
@@ -139,7 +145,7 @@ class Decoder(nn.Module):
 
     def __init__(self, cfg: BlockConfig, n_layers: int, final_norm: bool, cross_attention: bool = True) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(DecoderLayer(cfg, cross_attention) for _ in range(n_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, cross_attention, i) for i in range(n_layers))
         self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, bias=cfg.bias) if final_norm else None
 
     def forward(

@@ -8,17 +8,22 @@ Trained to predict token t+1 from tokens ≤ t; generates by feeding its own sam
 from __future__ import annotations
 
 import math
-from typing import Literal, overload
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 from torch import Tensor, nn
 
-from qkv.attention import LayerCache, cache_length, new_cache
+from qkv.attention import KVCache, LayerCache, cache_length, new_cache
+from qkv.attention.latent import LatentKVCache
 from qkv.blocks import AttentionMaps, Decoder
 from qkv.config import DecoderLMConfig
 from qkv.errors import QkvError
 from qkv.generation import generate
 from qkv.models.embedding import Embeddings, init_normal_
+
+if TYPE_CHECKING:
+    from qkv.tokenizers import ByteBPETokenizer
 
 
 class DecoderLM(nn.Module):
@@ -36,7 +41,11 @@ class DecoderLM(nn.Module):
             self.lm_head.weight = self.embed.tokens.weight  # one matrix embeds and un-embeds
 
     def new_cache(self, capacity: int = 256) -> list[LayerCache]:
-        """An empty KV cache for incremental decoding."""
+        """An empty KV cache for incremental decoding (latent-only caches for MLA layers)."""
+        if self.cfg.attention == "mla":
+            assert self.cfg.kv_lora_rank is not None
+            return [LayerCache(LatentKVCache(self.cfg.kv_lora_rank, capacity), KVCache(capacity))
+                    for _ in range(self.cfg.n_layers)]  # fmt: skip
         return new_cache(self.cfg.n_layers, capacity)
 
     @overload
@@ -94,3 +103,9 @@ class DecoderLM(nn.Module):
     ) -> Tensor:
         """Continue ids (B, T) by up to max_new_tokens sampled tokens (temperature 0 = greedy)."""
         return generate(self, ids, max_new_tokens, temperature, top_k, top_p, eos_id, use_cache, generator)
+
+    def save_hf(self, directory: str | Path, tokenizer: ByteBPETokenizer | None = None) -> None:
+        """Write a Hugging Face checkpoint (GPT-2 or Llama family, + tokenizer) that transformers can load."""
+        from qkv.interop import save_hf  # lazy: qkv.interop imports this module
+
+        save_hf(self, directory, tokenizer)

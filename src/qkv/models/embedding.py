@@ -29,19 +29,20 @@ class Embeddings(nn.Module):
         self.scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
         self.positions: nn.Module | None = None
         self.rotary: RotaryEmbedding | None = None
+        self.position_offset = cfg.position_offset
         if cfg.positions == "learned":
-            self.positions = LearnedPositionalEmbedding(cfg.d_model, cfg.max_positions)
+            # BART's table has `position_offset` extra rows in front that no position uses.
+            self.positions = LearnedPositionalEmbedding(cfg.d_model, cfg.max_positions + cfg.position_offset)
         elif cfg.positions == "sinusoidal":
             self.positions = SinusoidalPositionalEncoding(cfg.d_model, cfg.max_positions)
         elif cfg.positions == "rotary":
-            self.rotary = RotaryEmbedding(cfg.d_head, cfg.max_positions, base=cfg.rope_base)
+            self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.max_positions, base=cfg.rope_base)
         self.token_types: nn.Embedding | None = None
         self.norm: nn.Module | None = None
-        if isinstance(cfg, EncoderConfig):  # BERT: segment embeddings and a norm over the sum
-            if cfg.type_vocab_size > 0:
-                self.token_types = nn.Embedding(cfg.type_vocab_size, cfg.d_model)
-            if cfg.embedding_norm:
-                self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, bias=cfg.bias)
+        if isinstance(cfg, EncoderConfig) and cfg.type_vocab_size > 0:  # BERT's segment embeddings
+            self.token_types = nn.Embedding(cfg.type_vocab_size, cfg.d_model)
+        if cfg.embedding_norm:  # BERT and BART normalise the summed embeddings
+            self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, ids: Tensor, start: int = 0, token_type_ids: Tensor | None = None) -> tuple[Tensor, Rope]:
@@ -62,7 +63,7 @@ class Embeddings(nn.Module):
             )
         x = self.tokens(ids) * self.scale  # (B, T, d_model)
         if self.positions is not None:
-            x = x + self.positions(t, start)  # (T, d_model) broadcasts over the batch
+            x = x + self.positions(t, start + self.position_offset)  # (T, d_model) broadcasts over the batch
         if self.token_types is not None:
             types = token_type_ids if token_type_ids is not None else torch.zeros_like(ids)
             x = x + self.token_types(types)

@@ -32,10 +32,12 @@ class Transformer(nn.Module):
             self.tgt_embed.tokens = self.src_embed.tokens  # one matrix for both languages
         self.encoder = Encoder(cfg, cfg.n_encoder_layers, final_norm=cfg.final_norm)
         self.decoder = Decoder(cfg, cfg.n_decoder_layers, final_norm=cfg.final_norm, cross_attention=True)
-        self.generator = nn.Linear(cfg.d_model, cfg.tgt_vocab_size, bias=False)
+        self.generator = nn.Linear(cfg.d_model, cfg.tgt_vocab_size, bias=cfg.output_bias)
         for p in self.parameters():
             if p.dim() > 1:
                 nn.init.xavier_uniform_(p)  # as the Annotated Transformer does
+        if self.generator.bias is not None:
+            nn.init.zeros_(self.generator.bias)  # a learned prior over the vocabulary, starting flat
         if cfg.tie_embeddings:
             self.generator.weight = self.tgt_embed.tokens.weight
 

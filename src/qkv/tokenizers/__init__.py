@@ -3,7 +3,13 @@
 from qkv.tokenizers.base import Tokenizer
 from qkv.tokenizers.bpe import ENDOFTEXT, ByteBPETokenizer
 from qkv.tokenizers.char import CharTokenizer
-from qkv.tokenizers.factory import DEFAULT_BPE_VOCAB_SIZE, TOKENIZER_KINDS, load_tokenizer, make_tokenizer
+from qkv.tokenizers.factory import (
+    DEFAULT_BPE_VOCAB_SIZE,
+    TOKENIZER_KINDS,
+    gpt2_tokenizer,
+    load_tokenizer,
+    make_tokenizer,
+)
 
 __all__ = [
     "DEFAULT_BPE_VOCAB_SIZE",
@@ -12,6 +18,7 @@ __all__ = [
     "ByteBPETokenizer",
     "CharTokenizer",
     "Tokenizer",
+    "gpt2_tokenizer",
     "load_tokenizer",
     "make_tokenizer",
 ]

@@ -21,9 +21,10 @@ class ByteBPETokenizer(Tokenizer):
 
     kind = "bpe"
 
-    def __init__(self, hf_tokenizer: hf.Tokenizer) -> None:
+    def __init__(self, hf_tokenizer: hf.Tokenizer, eos_token: str = ENDOFTEXT) -> None:
         """Wrap a trained Hugging Face tokenizer (use train() or load() to get one)."""
         self._tok = hf_tokenizer
+        self._eos_token = eos_token  # pretrained vocabularies name their own (SmolLM2: <|im_end|>)
 
     @classmethod
     def train(cls, text: str, vocab_size: int, special_tokens: Sequence[str] = (ENDOFTEXT,)) -> ByteBPETokenizer:
@@ -59,7 +60,9 @@ class ByteBPETokenizer(Tokenizer):
             tok = hf.Tokenizer.from_file(str(path))
         except Exception as err:  # HF raises a bare Exception for schema errors
             raise QkvError(f"{path} is not a valid Hugging Face tokenizer file: {err}") from err
-        return cls(tok)
+        config = Path(directory) / CONFIG_FILE
+        eos = read_json(config).get("eos_token", ENDOFTEXT) if config.is_file() else ENDOFTEXT
+        return cls(tok, eos if isinstance(eos, str) else ENDOFTEXT)
 
     @property
     def vocab_size(self) -> int:
@@ -68,8 +71,8 @@ class ByteBPETokenizer(Tokenizer):
 
     @property
     def eos_id(self) -> int | None:
-        """Id of <|endoftext|>, or None if it was not among the special tokens."""
-        return self._tok.token_to_id(ENDOFTEXT)
+        """Id of the end-of-text token (<|endoftext|> unless built with another), or None if absent."""
+        return self._tok.token_to_id(self._eos_token)
 
     @property
     def hf_tokenizer(self) -> hf.Tokenizer:
@@ -94,4 +97,5 @@ class ByteBPETokenizer(Tokenizer):
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(directory / TOKENIZER_FILE))
-        write_json(directory / CONFIG_FILE, {"kind": self.kind})
+        extra = {} if self._eos_token == ENDOFTEXT else {"eos_token": self._eos_token}
+        write_json(directory / CONFIG_FILE, {"kind": self.kind, **extra})

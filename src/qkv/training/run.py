@@ -116,6 +116,8 @@ def load(run_dir: str | Path, checkpoint: str = "best", device: str | torch.devi
     """Load a run directory's model (best or last weights) and tokenizer, in eval mode."""
     directory = Path(run_dir)
     config = read_run_config(directory)
+    if config.get("model_type", "decoder_lm") != "decoder_lm":
+        raise QkvError(f"{directory} holds a {config['model_type']} run, not a language model; try `qkv translate`")
     if checkpoint not in ("best", "last"):
         raise QkvError(f"checkpoint must be 'best' or 'last', got {checkpoint!r}")
     weights = directory / (BEST_FILE if checkpoint == "best" else LAST_FILE)

@@ -8,12 +8,9 @@ exactly the steps an uninterrupted one would have taken.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -31,16 +28,19 @@ from qkv.tokenizers import load_tokenizer
 from qkv.training.checkpoint import (
     STATE_FILE,
     atomic_save_safetensors,
-    atomic_write_bytes,
     load_training_state,
     save_training_state,
 )
+from qkv.training.common import deferred_interrupt as _deferred_interrupt
+from qkv.training.common import make_optimizer
+from qkv.training.common import read_metrics as _read_metrics
+from qkv.training.common import write_metrics as _write_metrics
 from qkv.training.config import TrainConfig
 from qkv.training.dataset import TextData, prepare_text_data
 from qkv.training.evaluate import evaluate_loss
 from qkv.training.plots import plot_losses
 from qkv.training.progress import Progress
-from qkv.training.run import BEST_FILE, METRICS_FILE, load_weights, read_run_config, write_run_config
+from qkv.training.run import BEST_FILE, load_weights, read_run_config, write_run_config
 from qkv.training.schedule import LRSchedule
 
 
@@ -85,70 +85,16 @@ def autocast_context(device: torch.device, dtype: str) -> contextlib.AbstractCon
     return torch.autocast(device_type=device.type, dtype=getattr(torch, dtype))
 
 
-def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not biases, norms); fused where PyTorch has it."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    try:
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
-    except (RuntimeError, TypeError):
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
-
-
 def default_run_dir(cfg: TrainConfig) -> Path:
     """runs/<data name>-<tokenizer>-<timestamp>."""
     name = "shakespeare" if cfg.data is None else Path(cfg.data).stem
     return Path("runs") / f"{name}-{cfg.tokenizer}-{datetime.now():%Y%m%d-%H%M%S}"
 
 
-def _read_metrics(run_dir: Path, up_to_step: int) -> list[dict[str, Any]]:
-    """metrics.jsonl entries logged at or before a step (a killed run may have logged past its checkpoint)."""
-    path = run_dir / METRICS_FILE
-    if not path.is_file():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if r["step"] <= up_to_step]
-
-
-def _write_metrics(run_dir: Path, metrics: list[dict[str, Any]]) -> None:
-    """Rewrite metrics.jsonl atomically (it is small: one line per evaluation)."""
-    atomic_write_bytes(run_dir / METRICS_FILE, "".join(json.dumps(m) + "\n" for m in metrics).encode())
-
-
 def _batches(data: TextData, cfg: TrainConfig, gen: torch.Generator, device: torch.device) -> Iterator[Any]:
     """Endless random training windows drawn from the run's own generator."""
     while True:
         yield random_batch(data.train_ids, cfg.block_size, cfg.batch_size, gen, device)
-
-
-@contextlib.contextmanager
-def _deferred_interrupt() -> Iterator[Callable[[], bool]]:
-    """Turn the first Ctrl-C into a request that the loop honours between steps; a second one stops at once.
-
-    A KeyboardInterrupt raised at an arbitrary point could land inside backward() or between the
-    optimizer's updates of moments and weights, and the checkpoint saved after it would hold a
-    half-taken step. Only the main thread can install signal handlers; elsewhere nothing changes.
-    """
-    requested = False
-
-    def handler(signum: int, frame: Any) -> None:
-        nonlocal requested
-        if requested:  # impatient second Ctrl-C: give up on a clean stop
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            raise KeyboardInterrupt
-        requested = True
-
-    if threading.current_thread() is not threading.main_thread():
-        yield lambda: False
-        return
-    previous = signal.signal(signal.SIGINT, handler)
-    try:
-        yield lambda: requested
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def train(cfg: TrainConfig | None = None, verbose: bool = True, **overrides: Any) -> TrainResult:

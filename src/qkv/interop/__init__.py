@@ -1,0 +1,145 @@
+"""Real checkpoints: Hugging Face models (and GGUF files) in, qkv models built from qkv's own blocks out.
+
+    model = qkv.from_hf("path/to/hf-model")     # a directory with config.json + safetensors, or a .gguf
+    model.save_hf("out/")                       # GPT-2- and Llama-shaped DecoderLMs, for transformers
+
+Nothing here imports transformers: config.json is plain JSON, weights come from safetensors (pickle
+is refused), and each family module maps the HF names and layouts onto qkv's. FAMILIES is keyed by
+config.json's model_type; a new family is one module with a FAMILY plus one entry in _BUILTIN.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from qkv.errors import QkvError
+from qkv.interop import bart, bert, deepseek, gpt2, llama
+from qkv.interop.hf_io import (
+    Checkpoint,
+    Family,
+    QkvModel,
+    build_model,
+    export_mapped,
+    load_mapped,
+    read_checkpoint,
+    write_checkpoint,
+    write_tokenizer,
+)
+from qkv.models import DecoderLM
+from qkv.tokenizers import ByteBPETokenizer
+from qkv.training.checkpoint import load_json
+
+FAMILIES: dict[str, Family] = {}  # config.json model_type → family
+
+
+def register_family(family: Family) -> None:
+    """Make from_hf read every model_type the family lists (and save_hf consider it for export)."""
+    for model_type in family.model_types:
+        FAMILIES[model_type] = family
+
+
+_BUILTIN = (gpt2.FAMILY, llama.FAMILY, bert.FAMILY, bart.FAMILY, deepseek.FAMILY)
+for _family in _BUILTIN:
+    register_family(_family)
+
+
+def family_of(config: dict[str, Any]) -> Family:
+    """The family that reads a config.json, by its model_type."""
+    model_type = config.get("model_type")
+    if model_type not in FAMILIES:
+        known = ", ".join(sorted(FAMILIES))
+        raise QkvError(f"unsupported model_type {model_type!r}: qkv reads {known}")
+    return FAMILIES[model_type]
+
+
+def from_hf(source: str | Path | Checkpoint) -> QkvModel:
+    """A qkv model (eval mode, fp32) with the weights of an HF directory, a .gguf file or a read Checkpoint."""
+    ckpt = source if isinstance(source, Checkpoint) else read_checkpoint(source)
+    family = family_of(ckpt.config)
+    cfg = family.config_from_hf(ckpt.config, ckpt.tensors.keys())
+    model = build_model(cfg)
+    load_mapped(model, ckpt, family, family.name_map(cfg))
+    return model.eval()
+
+
+def tokenizer_from_hf(source: str | Path | Checkpoint) -> ByteBPETokenizer | None:
+    """The checkpoint's tokenizer (tokenizer.json, vocab.json + merges.txt, or GGUF metadata), or None.
+
+    Its eos is config.json's eos_token_id. Passing a .gguf path reads (and dequantises) the whole file:
+    pass the Checkpoint from read_checkpoint when the model is loaded too.
+    """
+    from qkv.interop.gpt2_tokenizer import read_vocab_files
+
+    if not isinstance(source, Checkpoint) and Path(source).suffix.lower() == ".gguf":
+        source = read_checkpoint(source)
+    if isinstance(source, Checkpoint):
+        directory, tok, config = Path(source.source), source.tokenizer, source.config
+    else:
+        directory, tok, config = Path(source), None, {}
+        if (directory / "config.json").is_file():
+            config = load_json(directory / "config.json")
+    if tok is None and (directory / "tokenizer.json").is_file():
+        import tokenizers
+
+        tok = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    elif tok is None and (directory / "vocab.json").is_file() and (directory / "merges.txt").is_file():
+        tok = read_vocab_files(directory / "vocab.json", directory / "merges.txt")
+    if tok is None:
+        return None
+    eos_id = config.get("eos_token_id")
+    eos = tok.id_to_token(eos_id) if isinstance(eos_id, int) else None
+    return ByteBPETokenizer(tok, eos) if eos else ByteBPETokenizer(tok)
+
+
+def export_family(model: DecoderLM) -> Family:
+    """The family a DecoderLM can be written as, or a QkvError saying what keeps it from each."""
+    reasons = []
+    for family in dict.fromkeys(FAMILIES.values()):  # each family once, in registration order
+        if family.config_to_hf is None or family.export_problems is None:
+            continue
+        problems = family.export_problems(model.cfg)
+        if not problems:
+            return family
+        reasons.append(f"not {family.name}: {', '.join(problems)}")
+    raise QkvError(f"this DecoderLM has no Hugging Face equivalent ({'; '.join(reasons)})")
+
+
+def save_hf(
+    model: DecoderLM,
+    directory: str | Path,
+    tokenizer: ByteBPETokenizer | None = None,
+    token_ids: dict[str, int | None] | None = None,
+) -> Path:
+    """Write config.json + model.safetensors (+ the tokenizer) that transformers' from_pretrained loads.
+
+    token_ids: bos_token_id / eos_token_id / pad_token_id for config.json; a qkv model does not know
+    them, so they default to None, except eos, which the tokenizer names when one is given.
+    """
+    if not isinstance(model, DecoderLM):
+        raise QkvError(f"save_hf writes decoder-only LMs (GPT-2 and Llama families), not a {type(model).__name__}")
+    family = export_family(model)
+    assert family.config_to_hf is not None
+    config = family.config_to_hf(model.cfg)
+    config["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+    eos = tokenizer.eos_id if tokenizer is not None else None
+    config |= {"bos_token_id": None, "eos_token_id": eos, "pad_token_id": None, **(token_ids or {})}
+    tensors = export_mapped(model, family.name_map(model.cfg))
+    directory = write_checkpoint(directory, config, tensors)
+    if tokenizer is not None:
+        write_tokenizer(directory, tokenizer)
+    return directory
+
+
+__all__ = [
+    "FAMILIES",
+    "Checkpoint",
+    "Family",
+    "export_family",
+    "family_of",
+    "from_hf",
+    "read_checkpoint",
+    "register_family",
+    "save_hf",
+    "tokenizer_from_hf",
+]

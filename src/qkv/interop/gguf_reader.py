@@ -1,0 +1,167 @@
+"""GGUF (llama.cpp's format) → a Hugging Face Llama checkpoint in memory: fp32 tensors, config, tokenizer.
+
+Three things differ from a Hugging Face directory:
+- tensors may be quantised (Q4_1, Q8_0, …): gguf.quants.dequantize turns them back into fp32;
+- names and metadata are llama.cpp's (blk.0.attn_q.weight, llama.embedding_length): mapped below;
+- llama.cpp's converter permutes the rows of W_q and W_k inside every head so that rotary pairs
+  are adjacent (x0, y0, x1, y1, …, GPT-J style) instead of split into halves (x0, x1, …, y0, y1, …,
+  the rotate-half style of HF and qkv). `_unpermute` undoes it; without it the model still runs
+  but attends to garbage positions.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from qkv.errors import QkvError
+from qkv.interop.hf_io import Checkpoint
+
+_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# llama.cpp pre-tokenizer names whose regex is GPT-2's after splitting every digit apart.
+_DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "codeshell")
+_CONTROL = 3  # llama.cpp token type of special tokens such as <|im_end|>
+
+
+def _import_gguf() -> Any:
+    """The gguf package, or a QkvError saying how to get it."""
+    try:
+        import gguf
+    except ImportError:
+        raise QkvError("reading .gguf files needs the gguf package (pip install gguf)") from None
+    return gguf
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    """A metadata value: int/float/bool/str, or a list of them for arrays."""
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    gguf = _import_gguf()
+    types = field.types
+
+    def one(part: Any, kind: Any) -> Any:
+        if kind == gguf.GGUFValueType.STRING:
+            return bytes(part).decode("utf-8")
+        value = part[0].item()
+        # float32 metadata (1e-5 stored as 9.9999997e-06): its shortest float32 spelling is what was meant.
+        return float(str(np.float32(value))) if kind == gguf.GGUFValueType.FLOAT32 else value
+
+    if types[0] == gguf.GGUFValueType.ARRAY:
+        return [one(field.parts[i], types[-1]) for i in field.data]
+    return one(field.parts[field.data[0]], types[0])
+
+
+def _hf_name(name: str) -> str:
+    """The HF Llama name of a llama.cpp tensor name (blk.3.attn_q.weight → model.layers.3.self_attn.q_proj.weight)."""
+    stem, _, kind = name.rpartition(".")
+    if stem in _GLOBAL:
+        return f"{_GLOBAL[stem]}.{kind}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER:
+        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{kind}"
+    raise QkvError(f"GGUF tensor {name} has no Llama counterpart (rope_freqs and the like are not supported)")
+
+
+def _unpermute(w: Tensor, n_heads: int) -> Tensor:
+    """Undo llama.cpp's per-head row permutation: interleaved rotary pairs back to two halves."""
+    head_dim = w.shape[0] // n_heads
+    # llama.cpp did reshape(n_heads, 2, D/2, …).swapaxes(1, 2); the inverse swaps back.
+    return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _config(reader: Any, has_output: bool, n_vocab: int) -> dict[str, Any]:
+    """An HF LlamaConfig dict from the llama.* metadata."""
+
+    def get(key: str, default: Any = None) -> Any:
+        value = _field(reader, f"llama.{key}", default)
+        if value is None:
+            raise QkvError(f"GGUF metadata lacks llama.{key}")
+        return value
+
+    hidden, heads = get("embedding_length"), get("attention.head_count")
+    if get("rope.dimension_count", hidden // heads) != hidden // heads:
+        raise QkvError("GGUF llama.rope.dimension_count differs from the head size: partial rotary is not supported")
+    if get("rope.scaling.type", "none") not in ("none", "linear") or get("rope.scaling.factor", 1.0) != 1.0:
+        raise QkvError(f"GGUF rope scaling {get('rope.scaling.type')!r} is not supported")
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": get("vocab_size", n_vocab),
+        "hidden_size": hidden,
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": get("attention.head_count_kv", heads),
+        "max_position_embeddings": get("context_length"),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon"),
+        "rope_theta": get("rope.freq_base", 10000.0),
+        "hidden_act": "silu",
+        "tie_word_embeddings": not has_output,  # no output.weight: the head reuses token_embd
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+
+
+def _tokenizer(reader: Any) -> Any:
+    """The HF `tokenizers.Tokenizer` described by tokenizer.ggml.*, or None if it is not a byte-level BPE."""
+    from qkv.interop.gpt2_tokenizer import byte_level_bpe
+
+    model, pre = _field(reader, "tokenizer.ggml.model"), _field(reader, "tokenizer.ggml.pre", "default")
+    if model != "gpt2" or pre not in ("default", "gpt2", *_DIGIT_SPLIT_PRE):
+        warnings.warn(f"GGUF tokenizer {model}/{pre} is not supported; loading the model without one", stacklevel=3)
+        return None
+    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
+    types: list[int] = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
+    specials = [t for t, kind in zip(tokens, types, strict=True) if kind == _CONTROL]
+    return byte_level_bpe({t: i for i, t in enumerate(tokens)}, merges, specials, split_digits=pre in _DIGIT_SPLIT_PRE)
+
+
+def read_gguf(path: str | Path) -> Checkpoint:
+    """A Llama-architecture GGUF file as an HF-named, HF-layout fp32 checkpoint with its tokenizer."""
+    gguf = _import_gguf()
+    path = Path(path)
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError, struct.error, … on a damaged file
+        raise QkvError(f"{path} is not a readable GGUF file ({e})") from e
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise QkvError(f"GGUF architecture {arch!r} is not supported: qkv reads llama-architecture GGUF files")
+    n_heads = _field(reader, "llama.attention.head_count")
+    n_kv_heads = _field(reader, "llama.attention.head_count_kv", n_heads)
+    tensors: dict[str, Tensor] = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        # GGUF lists dims fastest-first (ggml order); numpy/torch want them slowest-first.
+        shape = tuple(int(d) for d in reversed(t.shape))
+        # np.asarray drops the memmap subclass, whose per-slice bookkeeping makes dequantising 5x slower.
+        array = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape)
+        # fp32 tensors come back as views of the read-only file: copy those, so the weights own their memory.
+        array = array.astype(np.float32, copy=not array.flags.writeable)
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if name.endswith("q_proj.weight"):
+            tensor = _unpermute(tensor, n_heads)
+        elif name.endswith("k_proj.weight"):
+            tensor = _unpermute(tensor, n_kv_heads)
+        tensors[name] = tensor
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    config = _config(reader, "lm_head.weight" in tensors, len(tokens.data) if tokens is not None else 0)
+    return Checkpoint(config, tensors, str(path), _tokenizer(reader))

@@ -1,0 +1,78 @@
+"""Cross-attention maps: which source tokens each target token looked at, one PNG per decoder layer."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from qkv.translation.decoding import beam_search, greedy_decode
+from qkv.translation.run import TranslationRun
+
+
+def _labels(run: TranslationRun, ids: list[int]) -> list[str]:
+    """Readable token strings (byte-level BPE pieces decoded one by one)."""
+    names = {run.specials.bos: "<s>", run.specials.eos: "</s>", run.specials.pad: "<pad>"}
+    return [names.get(i) or run.tokenizer.decode([i]) for i in ids]
+
+
+@torch.no_grad()
+def cross_attention(
+    run: TranslationRun, sentence: str, beam_size: int = 1
+) -> tuple[list[str], list[str], list[Tensor]]:
+    """Source labels, target labels and per-layer cross-attention weights (H, T, S) for a sentence's translation.
+
+    The translation is decoded first; then one teacher-forced pass over <s> + output records the
+    weights, which are the ones incremental decoding used (the same prefixes, the same memory).
+    """
+    src = run.encode_sources([sentence])  # (1, S)
+    sp = run.specials
+    out = (
+        greedy_decode(run.model, src, sp)
+        if beam_size == 1
+        else beam_search(run.model, src, sp, beam_size, run.config.length_penalty)
+    )
+    tgt = torch.tensor([[sp.bos, *out[0]]], device=src.device)  # (1, T)
+    src_mask = (src != sp.pad)[:, None, None, :]
+    memory = run.model.encode(src, src_mask)
+    _, maps = run.model.decode(tgt, memory, src_mask, return_weights=True)
+    # Target labels name what each row predicted: output token t was produced while reading tgt[:, t].
+    targets = _labels(run, [*out[0], sp.eos])
+    return _labels(run, src[0].tolist()), targets, [w[0].float().cpu() for w in maps.cross_attn]
+
+
+def save_cross_attention_maps(run: TranslationRun, sentence: str, out_dir: Path, beam_size: int = 1) -> list[Path]:
+    """Write cross_attention_layer{N}.png (heads in a grid) for the sentence; return the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, headless
+    import matplotlib.pyplot as plt
+
+    sources, targets, layers = cross_attention(run, sentence, beam_size)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for layer, weights in enumerate(layers, start=1):  # weights (H, T, S)
+        n_heads = weights.shape[0]
+        cols = math.ceil(math.sqrt(n_heads))
+        rows = math.ceil(n_heads / cols)
+        size = (max(4.0, 0.32 * len(sources)) * cols, max(3.0, 0.3 * len(targets)) * rows)
+        fig, axes = plt.subplots(rows, cols, figsize=size, squeeze=False, dpi=100)
+        for head, ax in enumerate(axes.flat):
+            if head >= n_heads:
+                ax.axis("off")
+                continue
+            ax.imshow(weights[head].numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+            ax.set_xticks(range(len(sources)), sources, rotation=90, fontsize=7)
+            ax.set_yticks(range(len(targets)), targets, fontsize=7)
+            ax.set_title(f"head {head + 1}", fontsize=9)
+            ax.set_xlabel("source (German)", fontsize=8)
+            ax.set_ylabel("target (English)", fontsize=8)
+        fig.suptitle(f"cross-attention, decoder layer {layer}")
+        fig.tight_layout()
+        path = out_dir / f"cross_attention_layer{layer}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        paths.append(path)
+    return paths

@@ -1,0 +1,199 @@
+"""Translation: the corpus, the loss, decoding (greedy, beam, cache, padding), the toy tasks, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from qkv.attention import MultiHeadAttention
+from qkv.cli import main
+from qkv.translation.batching import make_batch, source_tensor
+from qkv.translation.corpus import (
+    DE_EN_COUNT,
+    DE_EN_SHA256,
+    TEST_SIZE,
+    VAL_SIZE,
+    clean_side,
+    load_de_en,
+    pairs_to_tsv,
+    parse_dictionary,
+    split_de_en,
+    tsv_sha256,
+)
+from qkv.translation.decoding import beam_search, greedy_decode
+from qkv.translation.step import label_smoothed_loss
+from qkv.translation.toy import SPECIALS, ToyResult, random_sequences, toy_model, train_toy
+
+SP = SPECIALS
+
+
+# ---------------------------------------------------------------------------------------------- corpus
+
+
+def test_corpus_rules_on_synthetic_lines() -> None:
+    lines = [
+        "# Version :: devel\n",  # comment
+        "Er kommt {vi} morgen. | Wie geht's dir? :: He is coming tomorrow. | How are you?\n",  # two pairs
+        "Das ist gut [ugs.]; Das passt. :: That's fine [coll.]; That suits.\n",  # annotations, first alternative
+        "Hund {m} | Hunde {pl} :: dog | dogs\n",  # not sentences
+        "Ich gehe. :: I go.\n",  # fewer than 3 words
+        "Eins zwei drei. | Vier fünf sechs. :: One two three.\n",  # sub-entry counts differ
+        "Er kommt   morgen. :: He is coming tomorrow.\n",  # duplicate after collapsing whitespace
+        "Wir sind da :: We are here.\n",  # German side has no final punctuation
+        "Sind wir da? :: Are we   there?\n",
+    ]
+    assert parse_dictionary(lines) == [
+        ("Er kommt morgen.", "He is coming tomorrow."),
+        ("Wie geht's dir?", "How are you?"),
+        ("Sind wir da?", "Are we there?"),
+    ]
+    assert parse_dictionary(["Das ist ja toll! [iron.] :: That's just great! {adj}\n"]) == [
+        ("Das ist ja toll!", "That's just great!")
+    ]
+    assert clean_side(" Das {n} ist [ugs.] es.; Alternative. ") == "Das ist es."
+
+
+def test_shipped_corpus_count_hash_and_split() -> None:
+    pairs = load_de_en()
+    assert len(pairs) == DE_EN_COUNT == 19767
+    assert tsv_sha256(pairs_to_tsv(list(pairs))) == DE_EN_SHA256
+    splits = split_de_en()
+    assert (len(splits.test), len(splits.val)) == (TEST_SIZE, VAL_SIZE) == (1000, 1000)
+    assert len(splits.train) == DE_EN_COUNT - 2000
+    assert not set(splits.test) & set(splits.train) and not set(splits.val) & set(splits.train)
+    assert split_de_en().test == splits.test  # deterministic
+
+
+# ---------------------------------------------------------------------------------------------- loss
+
+
+def test_label_smoothed_loss_matches_hand_computation() -> None:
+    logits = torch.tensor([[[2.0, 0.5, -1.0, 0.0], [0.1, 0.2, 0.3, 0.4], [9.0, 9.0, 9.0, 9.0]]])  # (1, 3, V=4)
+    target = torch.tensor([[1, 3, 0]])  # the last position is padding (id 0): not counted
+    eps, v = 0.1, 4
+    by_hand = []
+    for t in range(2):
+        logp = [x - math.log(sum(math.exp(y) for y in logits[0, t].tolist())) for x in logits[0, t].tolist()]
+        gold = int(target[0, t])
+        # q = (1 − ε)·one-hot + ε/V on every class: −Σ q log p
+        by_hand.append(-(1 - eps) * logp[gold] - eps / v * sum(logp))
+    expected = sum(by_hand) / 2
+    assert float(label_smoothed_loss(logits, target, pad=0, smoothing=eps)) == pytest.approx(expected, abs=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- toy tasks
+
+
+@pytest.fixture(scope="module")
+def copy_run() -> ToyResult:
+    """The copy task, trained once for this module (also serves the decoding tests)."""
+    return train_toy("copy", steps=300)
+
+
+def test_copy_task_is_learned_exactly(copy_run: ToyResult) -> None:
+    assert copy_run.train_seconds <= 60.0
+    assert copy_run.exact_match == 1.0, copy_run
+
+
+def test_reverse_task_is_learned_exactly() -> None:
+    result = train_toy("reverse", steps=300)
+    assert result.train_seconds <= 60.0
+    assert result.exact_match == 1.0, result
+
+
+# ---------------------------------------------------------------------------------------------- decoding
+
+
+def _mixed_sources(n: int = 12, seed: int = 3) -> torch.Tensor:
+    """Sources of lengths 4 … 15 (so rows are padded by different amounts)."""
+    gen = torch.Generator().manual_seed(seed)
+    return source_tensor([random_sequences(1, 4 + i, 10, gen)[0] for i in range(n)], SP)
+
+
+def test_beam_of_one_is_greedy(copy_run: ToyResult) -> None:
+    src = _mixed_sources()
+    assert beam_search(copy_run.model, src, SP, beam_size=1) == greedy_decode(copy_run.model, src, SP)
+    untrained = toy_model().eval()  # flat distributions: the hard case for tie-free equivalence
+    assert beam_search(untrained, src, SP, beam_size=1, max_len=12) == greedy_decode(untrained, src, SP, max_len=12)
+
+
+@pytest.mark.parametrize("which", ["trained", "untrained"])
+def test_batched_beam_equals_one_by_one(copy_run: ToyResult, which: str) -> None:
+    model = copy_run.model if which == "trained" else toy_model().eval()
+    src = _mixed_sources()
+    batched = beam_search(model, src, SP, beam_size=4, max_len=20)
+    alone = [beam_search(model, row[row != SP.pad][None], SP, beam_size=4, max_len=20)[0] for row in src]
+    assert batched == alone
+
+
+def test_cached_and_uncached_decoding_agree(copy_run: ToyResult) -> None:
+    untrained = toy_model().eval()
+    for model in (copy_run.model, untrained):
+        src = _mixed_sources(6)
+        assert greedy_decode(model, src, SP, max_len=20) == greedy_decode(model, src, SP, max_len=20, use_cache=False)
+        cached = beam_search(model, src, SP, beam_size=3, max_len=20)
+        assert cached == beam_search(model, src, SP, beam_size=3, max_len=20, use_cache=False)
+
+
+def test_cross_attention_keys_are_computed_once(copy_run: ToyResult) -> None:
+    calls = []
+    layers = [layer.cross_attn for layer in copy_run.model.decoder.layers]
+    assert all(isinstance(attn, MultiHeadAttention) for attn in layers)
+    hooks = [attn.k_proj.register_forward_hook(lambda *a: calls.append(1)) for attn in layers]  # type: ignore[union-attr]
+    try:
+        beam_search(copy_run.model, _mixed_sources(4), SP, beam_size=4, max_len=15)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(calls) == len(layers)  # once per layer for the whole search, not once per step
+
+
+def test_padding_changes_nothing(copy_run: ToyResult) -> None:
+    model = copy_run.model
+    gen = torch.Generator().manual_seed(7)
+    short = random_sequences(1, 6, 10, gen)[0]
+    longer = [random_sequences(1, n, 10, gen)[0] for n in (14, 11)]
+    targets = [short[:3], longer[0][:8], longer[1][:5]]
+    batch = make_batch([short, *longer], targets, SP)  # short is padded on both sides
+    alone = make_batch([short], targets[:1], SP)
+    with torch.no_grad():
+        logits_batch = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)[0, : alone.tgt_in.shape[1]]
+        logits_alone = model(alone.src, alone.tgt_in, alone.src_mask, alone.tgt_mask)[0]
+    assert torch.allclose(logits_batch, logits_alone, atol=1e-5, rtol=0)
+    for decode in (greedy_decode, beam_search):
+        # The same max_len for both: by default it grows with the batch's longest source.
+        assert decode(model, batch.src, SP, max_len=25)[0] == decode(model, alone.src, SP, max_len=25)[0]
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    """qkv.cli.main → (exit code, stderr)."""
+    capsys.readouterr()
+    try:
+        code = main(list(argv))
+    except SystemExit as e:
+        code = int(e.code or 0)
+    return code, capsys.readouterr().err
+
+
+def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _run(capsys, "translate", str(tmp_path / "missing"), "Wie geht es dir?")
+    assert code == 2 and "does not exist" in err and err.count("\n") == 1
+    lm_run = tmp_path / "lm"
+    lm_run.mkdir()
+    config = {"format": "qkv-run/1", "model_type": "decoder_lm", "model": {}, "training": {}}
+    (lm_run / "config.json").write_text(json.dumps(config))
+    code, err = _run(capsys, "translate", str(lm_run), "Wie geht es dir?")
+    assert code == 2 and "not a translation model" in err and err.count("\n") == 1
+    code, err = _run(capsys, "translate", str(lm_run), "   ")
+    assert code == 2 and "empty" in err and err.count("\n") == 1
+    code, err = _run(capsys, "train", "translate", "--block-size", "8")
+    assert code == 2 and "language-model option" in err and err.count("\n") == 1
+    code, err = _run(capsys, "eval", str(tmp_path / "missing"))
+    assert code == 2 and err.count("\n") == 1
