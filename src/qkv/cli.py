@@ -73,6 +73,9 @@ def _add_train(sub: Any) -> None:
     p.add_argument("--device", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", help="float32, bfloat16 or float16 (autocast)")
     p.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
+    p.add_argument("--nproc", type=int, help="train on N local processes (torch's elastic launcher, like torchrun)")
+    p.add_argument("--strategy", help="with several processes: ddp (default) or fsdp (sharded parameters)")
+    p.add_argument("--dist-timeout", type=float, help="seconds to wait for a dead or hung process (default 60)")
     p.add_argument("--seed", type=int, help="random seed")
     p.add_argument("--out-dir", help="run directory (default runs/<data>-<tokenizer>-<time>)")
     p.add_argument("--resume", action="store_true", default=None, help="continue the run in --out-dir")
@@ -129,7 +132,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     names = ("data", "tokenizer", "bpe_vocab_size", "block_size", "batch_size", "grad_accum", "max_steps",
              "max_time", "lr", "min_lr", "warmup_steps", "schedule", "weight_decay", "grad_clip", "eval_interval",
-             "eval_tokens", "device", "dtype", "compile", "seed", "out_dir", "resume", "sample_tokens")  # fmt: skip
+             "eval_tokens", "device", "dtype", "compile", "seed", "out_dir", "resume", "sample_tokens", "strategy",
+             "dist_timeout")  # fmt: skip
     settings = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     model = {k: getattr(args, k) for k in ("n_layers", "d_model", "n_heads", "dropout") if getattr(args, k) is not None}
     model.update(dict(args.model))
@@ -143,8 +147,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
         # The run's own schedule length unless --max-steps says otherwise (TrainConfig's default
         # would silently stretch the cosine schedule of a resumed run to 2000 steps).
         settings.setdefault("max_steps", read_run_config(Path(args.out_dir))["training"].get("max_steps"))
-    cfg = TrainConfig(**settings)
+    cfg = TrainConfig(**settings)  # checked here, once, before any process is launched
+    if args.nproc is not None:
+        from qkv.training.distributed import launch
+
+        if args.nproc < 1:
+            raise QkvError(f"--nproc must be a positive integer, got {args.nproc}")
+        argv = _without_nproc(args.argv)
+        if cfg.out_dir is None:  # choose the timestamped default once, for all the processes
+            from qkv.training.trainer import default_run_dir
+
+            cfg.out_dir = str(default_run_dir(cfg))
+            argv += ["--out-dir", cfg.out_dir]
+        return launch(args.nproc, argv, cfg.out_dir)
     result = train(cfg)
+    from qkv.training.distributed import is_main_process
+
+    if not is_main_process():  # under torchrun, rank 0 reports for the run
+        return 130 if result.interrupted else 0
     print(f"\nvalidation loss {result.val_loss:.4f} (perplexity {perplexity(result.val_loss):.2f}) "
           f"after {result.step} steps, {result.elapsed_s:.0f} s — run saved in {result.run_dir}")  # fmt: skip
     if cfg.sample_tokens > 0:
@@ -155,6 +175,20 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print("-" * 71)
     print(f"more: qkv generate {result.run_dir} --prompt 'ROMEO:'   |   qkv eval {result.run_dir}")
     return 130 if result.interrupted else 0
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """The command line minus --nproc N (or an abbreviation of it): what each launched process runs."""
+    out: list[str] = []
+    skip = False
+    for token in argv:
+        if skip:
+            skip = False
+        elif token.startswith("--np") and "--nproc".startswith(token.split("=", 1)[0]):
+            skip = "=" not in token
+        else:
+            out.append(token)
+    return out
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -224,6 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `qkv` command; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for --nproc, which relaunches the command
     if args.command is None:
         parser.print_help()
         return 0

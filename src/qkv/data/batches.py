@@ -33,8 +33,13 @@ def random_batch(
     batch_size: int,
     generator: torch.Generator,
     device: torch.device | str = "cpu",
+    rows: slice | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample `batch_size` random windows: x is (B, T) int64 tokens, y is x shifted left by one."""
+    """Sample `batch_size` random windows: x is (B, T) int64 tokens, y is x shifted left by one.
+
+    rows: keep only these rows of the sampled batch (a data-parallel rank's share of the global batch);
+    the generator advances by the whole batch either way, so every rank stays in step.
+    """
     _check_sizes(data, block_size, batch_size)
     n = len(data)
     if n < block_size + 1:
@@ -45,6 +50,8 @@ def random_batch(
     # Start offsets in [0, n - T - 1], so each window of T + 1 tokens fits. Drawing them from the
     # caller's generator (and nowhere else) makes a training run exactly reproducible from its seed.
     starts = torch.randint(n - block_size, (batch_size,), generator=generator, device=generator.device)
+    if rows is not None:
+        starts = starts[rows]
     # unfold gives a zero-copy (n - T, T + 1) view of all windows; indexing gathers only the B we need.
     windows = data.unfold(0, block_size + 1, 1)[starts.to(data.device)].to(torch.int64)
     x = windows[:, :-1].contiguous()

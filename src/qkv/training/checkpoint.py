@@ -15,7 +15,7 @@ import random
 import struct
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import safetensors.torch
@@ -30,6 +30,17 @@ MODEL_FILE = "last.safetensors"
 OPTIM_FILE = "last_optim.safetensors"
 STATE_FILE = "last_state.json"
 STATE_FORMAT = "qkv-training-state/1"
+
+
+class StatefulOptimizer(Protocol):
+    """What a checkpoint loads optimizer state into: a torch Optimizer, or an adapter that shards it."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state, keyed by parameter index."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what state_dict returned."""
+
 
 # ---------------------------------------------------------------------------------------------
 # Atomic writes
@@ -203,9 +214,9 @@ def _from_jsonable(obj: Any) -> Any:
     return obj
 
 
-def optimizer_state_to_safetensors(optimizer: Optimizer) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """Split ``optimizer.state_dict()`` into flat tensors and a JSON-able dict."""
-    sd = optimizer.state_dict()
+def optimizer_state_to_safetensors(optimizer: Optimizer | dict[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """Split ``optimizer.state_dict()`` (or such a dict, e.g. consolidated from shards) into tensors and JSON."""
+    sd = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
     tensors: dict[str, Tensor] = {}
     state_meta: dict[str, dict[str, Any]] = {}
     for param_id, entries in sd["state"].items():
@@ -308,7 +319,7 @@ def save_training_state(
     directory: Path,
     *,
     model_state: dict[str, Tensor],
-    optimizer: Optimizer,
+    optimizer: Optimizer | dict[str, Any],
     extra: dict[str, Any],
     generators: dict[str, torch.Generator],
 ) -> None:
@@ -368,7 +379,7 @@ def _state_names(directory: Path, files: dict[str, dict[str, str]]) -> bool:
 
 
 def load_training_state(
-    directory: Path, optimizer: Optimizer, generators: dict[str, torch.Generator]
+    directory: Path, optimizer: StatefulOptimizer, generators: dict[str, torch.Generator]
 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """Restore optimizer, RNG and generator state in place; return (model_state, extra)."""
     directory = Path(directory)

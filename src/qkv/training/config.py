@@ -13,6 +13,7 @@ from qkv.errors import QkvError
 SCHEDULES = ("cosine", "linear", "constant", "inverse_sqrt")
 DTYPES = ("float32", "bfloat16", "float16")
 TOKENIZERS = ("char", "bpe")
+STRATEGIES = ("ddp", "fsdp")  # how several processes (torchrun, --nproc) share the work
 
 # The default recipe (see README, "The default recipe"): nanoGPT's CPU shape (4 layers × 128, block 64,
 # batch 12, 2,000 steps) with a modern block — rotary positions, RMSNorm, SwiGLU, no biases — and a
@@ -38,7 +39,7 @@ class TrainConfig:
     bpe_vocab_size: int = 1024
     model: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_MODEL))  # DecoderLMConfig fields
     block_size: int = 64
-    batch_size: int = 12
+    batch_size: int = 12  # per process: a run on N processes takes N·batch_size sequences per micro-batch
     grad_accum: int = 1
     max_steps: int = 2000
     max_time: float | None = None  # seconds; stop early (and save) when the budget is spent
@@ -55,6 +56,8 @@ class TrainConfig:
     device: str = "auto"
     dtype: str = "float32"
     compile: bool = False
+    strategy: str = "ddp"  # ddp: every rank holds the whole model; fsdp: parameters sharded across ranks
+    dist_timeout: float = 60.0  # seconds a collective may wait for a dead or hung peer before failing
     seed: int = 1337
     out_dir: str | None = None  # None = runs/<data>-<tokenizer>-<timestamp>
     resume: bool = False
@@ -66,6 +69,10 @@ class TrainConfig:
             raise QkvError(f"unknown tokenizer {self.tokenizer!r}; choose one of: {', '.join(TOKENIZERS)}")
         if self.schedule not in SCHEDULES:
             raise QkvError(f"unknown schedule {self.schedule!r}; choose one of: {', '.join(SCHEDULES)}")
+        if self.strategy not in STRATEGIES:
+            raise QkvError(f"unknown strategy {self.strategy!r}; choose one of: {', '.join(STRATEGIES)}")
+        if self.dist_timeout <= 0:
+            raise QkvError(f"dist-timeout must be positive seconds, got {self.dist_timeout}")
         if self.dtype not in DTYPES:
             raise QkvError(f"unknown dtype {self.dtype!r}; choose one of: {', '.join(DTYPES)}")
         for name in ("block_size", "batch_size", "grad_accum", "max_steps", "eval_interval"):

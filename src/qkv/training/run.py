@@ -71,6 +71,12 @@ def read_run_config(directory: Path) -> dict[str, Any]:
 
 def load_weights(model: torch.nn.Module, state: dict[str, Tensor], source: Path) -> None:
     """Copy `state` into the model, naming any missing, unexpected or mis-shaped tensor."""
+    check_weights(model, state, source)
+    model.load_state_dict(state)
+
+
+def check_weights(model: torch.nn.Module, state: dict[str, Tensor], source: Path) -> None:
+    """Refuse `state` unless it has exactly the model's tensors with the model's shapes (sharded or not)."""
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -82,7 +88,6 @@ def load_weights(model: torch.nn.Module, state: dict[str, Tensor], source: Path)
         if tensor.shape != expected[name].shape:
             want = tuple(expected[name].shape)
             raise QkvError(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, the model expects {want}")
-    model.load_state_dict(state)
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 Everything that makes a step depend on the past is in the checkpoint (weights, optimiser
 moments, the data sampler's generator, the dropout RNG, counters), so a resumed run takes
-exactly the steps an uninterrupted one would have taken.
+exactly the steps an uninterrupted one would have taken. Under torchrun (or --nproc) the same loop
+runs on every rank; training/distributed.py holds everything that differs (see its docstring).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from qkv.config import DecoderLMConfig
 from qkv.data import random_batch
 from qkv.errors import QkvError
 from qkv.models import DecoderLM
-from qkv.tokenizers import load_tokenizer
+from qkv.tokenizers import Tokenizer, load_tokenizer
+from qkv.training import distributed
 from qkv.training.checkpoint import (
     STATE_FILE,
     atomic_save_safetensors,
@@ -37,10 +39,9 @@ from qkv.training.common import read_metrics as _read_metrics
 from qkv.training.common import write_metrics as _write_metrics
 from qkv.training.config import TrainConfig
 from qkv.training.dataset import TextData, prepare_text_data
-from qkv.training.evaluate import evaluate_loss
 from qkv.training.plots import plot_losses
 from qkv.training.progress import Progress
-from qkv.training.run import BEST_FILE, load_weights, read_run_config, write_run_config
+from qkv.training.run import BEST_FILE, LAST_FILE, check_weights, read_run_config, write_run_config
 from qkv.training.schedule import LRSchedule
 
 
@@ -91,26 +92,39 @@ def default_run_dir(cfg: TrainConfig) -> Path:
     return Path("runs") / f"{name}-{cfg.tokenizer}-{datetime.now():%Y%m%d-%H%M%S}"
 
 
-def _batches(data: TextData, cfg: TrainConfig, gen: torch.Generator, device: torch.device) -> Iterator[Any]:
-    """Endless random training windows drawn from the run's own generator."""
+def _batches(data: TextData, block_size: int, global_batch: int, rows: slice, gen: torch.Generator,
+             device: torch.device) -> Iterator[Any]:  # fmt: skip
+    """Endless random training windows from the run's own generator: this rank's rows of each global batch."""
     while True:
-        yield random_batch(data.train_ids, cfg.block_size, cfg.batch_size, gen, device)
+        yield random_batch(data.train_ids, block_size, global_batch, gen, device, rows)
 
 
 def train(cfg: TrainConfig | None = None, verbose: bool = True, **overrides: Any) -> TrainResult:
     """Train a DecoderLM as `cfg` (or TrainConfig(**overrides)) says; returns the result."""
     cfg = cfg if cfg is not None else TrainConfig(**overrides)
+    if not cfg.out_dir and distributed.env_world_size() > 1:
+        raise QkvError("several processes need one run directory: pass --out-dir (each would pick its own default)")
     run_dir = Path(cfg.out_dir) if cfg.out_dir else default_run_dir(cfg)
     if cfg.resume:
         stored = read_run_config(run_dir)
-        budget = {"max_time": cfg.max_time, "device": cfg.device, "max_steps": cfg.max_steps}
-        cfg = TrainConfig.from_dict({**stored["training"], **budget, "resume": True, "out_dir": str(run_dir)})
+        # How to run (budget, device, process layout) may change on resume; what to train may not.
+        names = ("max_time", "device", "max_steps", "strategy", "dist_timeout")
+        launch = {name: getattr(cfg, name) for name in names}
+        cfg = TrainConfig.from_dict({**stored["training"], **launch, "resume": True, "out_dir": str(run_dir)})
         tokenizer = load_tokenizer(run_dir)
     else:
         if (run_dir / STATE_FILE).exists() or (run_dir / BEST_FILE).exists():
             raise QkvError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --out-dir")
         tokenizer = None
-    device = resolve_device(cfg.device)
+    with distributed.process_group(resolve_device(cfg.device), cfg.strategy, cfg.dist_timeout) as ctx:
+        return _train(cfg, run_dir, tokenizer, ctx, verbose)
+
+
+def _train(
+    cfg: TrainConfig, run_dir: Path, tokenizer: Tokenizer | None, ctx: distributed.DistContext, verbose: bool
+) -> TrainResult:
+    """The training loop proper, on one rank (of one or many)."""
+    device = ctx.device
     torch.manual_seed(cfg.seed)
     data = prepare_text_data(cfg.data, cfg.tokenizer, cfg.bpe_vocab_size, tokenizer)
     if cfg.block_size + 1 > len(data.train_ids):
@@ -128,40 +142,52 @@ def train(cfg: TrainConfig | None = None, verbose: bool = True, **overrides: Any
             f"model max_positions={model_cfg.max_positions} is smaller than the block size {cfg.block_size}; "
             "drop --model max_positions or lower --block-size"
         )
-    model = DecoderLM(model_cfg).to(device)
-    optimizer = make_optimizer(model, cfg, device)
+    model = DecoderLM(model_cfg).to(device)  # the same seed on every rank: the same initial weights
+    train_model = distributed.wrap_model(model, ctx)  # DDP wrapper, or `model` itself sharded by FSDP
+    optimizer = make_optimizer(model, cfg, device)  # after wrapping: FSDP replaces the parameters
     schedule = LRSchedule(cfg.lr, min(cfg.warmup_steps, cfg.max_steps), cfg.max_steps, cfg.final_lr, cfg.schedule)
     data_gen = torch.Generator().manual_seed(cfg.seed)
     step, tokens_seen, elapsed_before, best_val = 0, 0, 0.0, math.inf
+    global_batch = cfg.batch_size * ctx.world_size  # sequences per micro-batch, all ranks together
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.resume:
-        state, extra = load_training_state(run_dir, optimizer, {"data": data_gen})
-        load_weights(model, state, run_dir / "last.safetensors")
+        consolidated = distributed.ConsolidatedOptimizer(train_model, optimizer, ctx)
+        state, extra = load_training_state(run_dir, consolidated, {"data": data_gen})
+        check_weights(model, state, run_dir / LAST_FILE)
+        distributed.load_full_model_state(train_model, state, ctx)
         step, tokens_seen = extra["step"], extra["tokens_seen"]
         elapsed_before, best_val = extra["elapsed_s"], extra["best_val_loss"]
-    else:
+        # A resumed run keeps its global batch whatever the process count, so it takes the same steps.
+        global_batch = extra.get("global_batch_size", cfg.batch_size)
+    elif ctx.is_main:
         write_run_config(run_dir, model_cfg, cfg, data.tokenizer)
+    rows = distributed.rows_per_rank(global_batch, ctx)
+    distributed.seed_dropout(cfg.seed, step, ctx)
     metrics = _read_metrics(run_dir, step)
-    step_model = torch.compile(model) if cfg.compile else model
+    step_model = torch.compile(train_model) if cfg.compile else train_model
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "float16")
-    progress = Progress(cfg.max_steps, enabled=verbose)
+    progress = Progress(cfg.max_steps, enabled=verbose and ctx.is_main)  # rank 0 speaks for the run
     n_params = sum(p.numel() for p in model.parameters())
+    layout = f", {ctx.world_size} processes ({ctx.strategy}), global batch {global_batch}" if ctx.enabled else ""
     progress.log(
         f"qkv train: {n_params / 1e6:.2f} M parameters, {len(data.train_ids):,} train / {len(data.val_ids):,} val "
-        f"tokens, vocab {data.tokenizer.vocab_size}, device {device}, run dir {run_dir}"
+        f"tokens, vocab {data.tokenizer.vocab_size}, device {device}{layout}, run dir {run_dir}"
     )
 
     def evaluate(max_tokens: int | None) -> float:
-        """Validation loss with dropout off, then back to training mode."""
-        model.eval()
+        """Validation loss with dropout off (batches shared out over ranks), then back to training mode."""
+        train_model.eval()
         with autocast_context(device, cfg.dtype):
-            loss = evaluate_loss(step_model, data.val_ids, cfg.block_size, cfg.batch_size, device, max_tokens)
-        model.train()
+            loss = distributed.sharded_eval_loss(step_model, data.val_ids, cfg.block_size, cfg.batch_size, ctx,
+                                                 max_tokens)  # fmt: skip
+        train_model.train()
         return loss
 
     def checkpoint(val_loss: float, train_loss: float) -> None:
-        """Log metrics, keep the best weights, save everything needed to resume."""
+        """Log metrics, keep the best weights, save everything needed to resume (files: rank 0 only)."""
         nonlocal best_val
+        train_loss = distributed.mean_over_ranks(train_loss, ctx)
+        model_state, optimizer_state = distributed.full_state(train_model, optimizer, ctx)  # collective
         metrics.append(
             {
                 "step": step,
@@ -172,12 +198,15 @@ def train(cfg: TrainConfig | None = None, verbose: bool = True, **overrides: Any
                 "lr": schedule.lr_at(max(0, step - 1)),
             }
         )
+        improved, best_val = val_loss < best_val, min(best_val, val_loss)
+        if not ctx.is_main:
+            return
         _write_metrics(run_dir, metrics)
-        if val_loss < best_val:
-            best_val = val_loss
-            atomic_save_safetensors(run_dir / BEST_FILE, model.state_dict())
-        extra = {"step": step, "tokens_seen": tokens_seen, "elapsed_s": elapsed(), "best_val_loss": best_val}
-        save_training_state(run_dir, model_state=model.state_dict(), optimizer=optimizer, extra=extra,
+        if improved:
+            atomic_save_safetensors(run_dir / BEST_FILE, model_state)
+        extra = {"step": step, "tokens_seen": tokens_seen, "elapsed_s": elapsed(), "best_val_loss": best_val,
+                 "global_batch_size": global_batch}  # fmt: skip
+        save_training_state(run_dir, model_state=model_state, optimizer=optimizer_state, extra=extra,
                             generators={"data": data_gen})  # fmt: skip
         plot_losses(metrics, run_dir / "loss.png", title=f"qkv train — {run_dir.name}")
         progress.log(f"step {step:>6}  train {train_loss:.4f}  val {val_loss:.4f}  lr {metrics[-1]['lr']:.2e}")
@@ -188,25 +217,29 @@ def train(cfg: TrainConfig | None = None, verbose: bool = True, **overrides: Any
         """Wall-clock seconds of training, across resumes."""
         return elapsed_before + time.monotonic() - start
 
-    batches = _batches(data, cfg, data_gen, device)
+    batches = _batches(data, cfg.block_size, global_batch, rows, data_gen, device)
     first_step = step
-    model.train()
+    train_model.train()
     loss_sum, loss_count, interrupted = 0.0, 0, False
     last_loss = float("nan")
     with _deferred_interrupt() as interrupt_requested:
         while step < cfg.max_steps:
-            if interrupt_requested():  # checked between steps, so the checkpoint holds whole steps only
+            distributed.crash_for_test(step, ctx)
+            # Checked between steps, so the checkpoint holds whole steps only; all ranks stop at the same one.
+            if distributed.any_rank(interrupt_requested(), ctx):
                 interrupted = True
                 break
             lr = schedule.lr_at(step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            for _ in range(cfg.grad_accum):
+            for micro in range(cfg.grad_accum):
                 x, y = next(batches)
-                with autocast_context(device, cfg.dtype):
-                    logits = step_model(x)  # (B, T, V)
-                    loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-                scaler.scale(loss / cfg.grad_accum).backward()
+                # Gradients are averaged across ranks once per step, in the last micro-batch's backward.
+                with distributed.gradient_sync(train_model, micro == cfg.grad_accum - 1):
+                    with autocast_context(device, cfg.dtype):
+                        logits = step_model(x)  # (B, T, V)
+                        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+                    scaler.scale(loss / cfg.grad_accum).backward()
                 loss_sum += float(loss.detach()) / cfg.grad_accum
             if cfg.grad_clip > 0:
                 scaler.unscale_(optimizer)
@@ -216,12 +249,12 @@ def train(cfg: TrainConfig | None = None, verbose: bool = True, **overrides: Any
             optimizer.zero_grad(set_to_none=True)
             step += 1
             loss_count += 1
-            tokens_seen += cfg.batch_size * cfg.block_size * cfg.grad_accum
+            tokens_seen += global_batch * cfg.block_size * cfg.grad_accum
             last_loss = loss_sum / loss_count
             run_time = time.monotonic() - start  # this session only: resumed steps were timed before
-            out_of_time = cfg.max_time is not None and elapsed() >= cfg.max_time
+            out_of_time = cfg.max_time is not None and distributed.any_rank(elapsed() >= cfg.max_time, ctx)
             seconds_per_step = run_time / (step - first_step)
-            tokens_per_s = cfg.batch_size * cfg.block_size * cfg.grad_accum / seconds_per_step
+            tokens_per_s = global_batch * cfg.block_size * cfg.grad_accum / seconds_per_step
             progress.update(step, last_loss, tokens_per_s, (cfg.max_steps - step) * seconds_per_step)
             if step % cfg.eval_interval == 0 or step == cfg.max_steps or out_of_time:
                 checkpoint(evaluate(cfg.eval_tokens), last_loss)

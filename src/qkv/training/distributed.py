@@ -1,0 +1,347 @@
+"""Data-parallel (DDP) and sharded (FSDP2) training on PyTorch's own distributed engine.
+
+qkv has no communication layer of its own: `torchrun` (or `qkv train --nproc N`, which calls the same
+elastic launcher) starts one process per rank and sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR;
+this module turns that into a process group (gloo on CPU, nccl on CUDA), wraps the model, and offers
+the few collectives the training loop needs. With one process everything here is a no-op, so a plain
+`qkv train` runs exactly the code path it always did.
+
+Data parallelism by a *global* batch: every rank draws the same world_size·B windows from the same
+seeded generator and keeps its own B rows, so N ranks × B see exactly the rows 1 rank × N·B sees, and
+the data generator's state in a checkpoint is independent of the world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from qkv.data import eval_windows
+from qkv.errors import QkvError
+from qkv.training.config import STRATEGIES
+from qkv.training.evaluate import evaluate_loss
+
+# Test-only fault injection: "RANK:STEP" makes that rank die with os._exit(1) when it reaches STEP.
+CRASH_ENV = "QKV_TEST_CRASH_AT"
+
+
+def env_rank() -> int:
+    """This process's global rank as the launcher set it (0 outside torchrun)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def env_world_size() -> int:
+    """The number of processes as the launcher set it (1 outside torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_main_process() -> bool:
+    """True on rank 0, the only rank that prints and writes files (also after the group is gone)."""
+    return env_rank() == 0
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process stands in the run: rank, world size, strategy and its device."""
+
+    rank: int
+    world_size: int
+    strategy: str
+    device: torch.device
+
+    @property
+    def enabled(self) -> bool:
+        """True when there is more than one process (and so a process group)."""
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0."""
+        return self.rank == 0
+
+    @property
+    def sharded(self) -> bool:
+        """True when parameters are sharded across ranks (FSDP)."""
+        return self.enabled and self.strategy == "fsdp"
+
+
+@contextlib.contextmanager
+def process_group(device: torch.device, strategy: str, timeout_s: float) -> Iterator[DistContext]:
+    """Join the launcher's process group for the duration of a run (nothing to join with one process).
+
+    The timeout bounds every collective: when a rank dies, the others fail after at most this long
+    instead of waiting forever (torchrun usually notices the dead rank first and stops them sooner).
+    """
+    if strategy not in STRATEGIES:
+        raise QkvError(f"unknown strategy {strategy!r}; choose one of: {', '.join(STRATEGIES)}")
+    world = env_world_size()
+    if world == 1:
+        yield DistContext(0, 1, strategy, device)
+        return
+    if "MASTER_ADDR" not in os.environ:
+        raise QkvError("WORLD_SIZE > 1 but no MASTER_ADDR: start distributed runs with torchrun or --nproc")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":  # one process per GPU: rank i of this node drives GPU i
+        device = torch.device("cuda", local_rank if device.index is None else device.index)
+        torch.cuda.set_device(device)
+    elif device.type != "cpu":
+        raise QkvError(f"distributed training runs on cpu (gloo) or cuda (nccl), not {device.type}")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    ctx = DistContext(dist.get_rank(), dist.get_world_size(), strategy, device)
+    try:
+        yield ctx
+    except RuntimeError as e:
+        if not _is_communication_error(e):
+            raise
+        # A peer died or timed out: one clear line instead of a traceback through the collective.
+        reason = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip().splitlines()[0]).split(". ")[0]
+        raise QkvError(
+            f"rank {ctx.rank}: lost contact with the other training processes ({reason}); one of them died "
+            f"or hung for more than --dist-timeout {timeout_s:g} s. Continue from the last checkpoint with --resume"
+        ) from None
+    finally:
+        dist.destroy_process_group()
+
+
+def _is_communication_error(e: RuntimeError) -> bool:
+    """True for a failed collective: torch's DistError, or the plain RuntimeError that gloo raises."""
+    text = str(e).lower()
+    return isinstance(e, dist.DistError) or "gloo" in text or "nccl" in text
+
+
+def wrap_model(model: nn.Module, ctx: DistContext) -> nn.Module:
+    """The module to train: DDP around `model`, or `model` itself sharded in place by FSDP2's fully_shard."""
+    if not ctx.enabled:
+        return model
+    if ctx.strategy == "ddp":
+        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        # The only buffers are rotary/sinusoidal tables, identical everywhere: syncing them before every
+        # forward would be wasted traffic (and a collective that would make eval forwards collective too).
+        return DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
+    from torch.distributed.fsdp import fully_shard
+
+    # One FSDP unit per decoder layer (its parameters are gathered just before it runs, freed after),
+    # then the root for the rest: the embeddings and the tied output head share one unit.
+    for layer in getattr(getattr(model, "decoder", None), "layers", []):
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Run a micro-batch's forward + backward with or without the gradient all-reduce.
+
+    With gradient accumulation only the last micro-batch needs to average gradients across ranks;
+    the others just add into the local .grad (DDP's no_sync, FSDP2's set_requires_gradient_sync).
+    """
+    if enabled:
+        yield
+    elif isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 module
+        fsdp_module = cast(Any, model)  # FSDP2 swaps the class at run time; mypy sees a plain Module
+        fsdp_module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            fsdp_module.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def rows_per_rank(global_batch: int, ctx: DistContext) -> slice:
+    """This rank's rows of a global batch of `global_batch` windows."""
+    if global_batch % ctx.world_size:
+        raise QkvError(
+            f"the run's global batch of {global_batch} sequences does not split over {ctx.world_size} processes; "
+            "resume with a process count that divides it"
+        )
+    per_rank = global_batch // ctx.world_size
+    return slice(ctx.rank * per_rank, (ctx.rank + 1) * per_rank)
+
+
+def mean_over_ranks(value: float, ctx: DistContext) -> float:
+    """The average of a float over all ranks (e.g. each rank's training loss, for logging)."""
+    if not ctx.enabled:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t)
+    return float(t) / ctx.world_size
+
+
+def any_rank(flag: bool, ctx: DistContext) -> bool:
+    """True if `flag` is true on any rank, so that all ranks stop (Ctrl-C, time budget) at the same step."""
+    if not ctx.enabled:
+        return flag
+    t = torch.tensor([int(flag)], device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t)
+
+
+@torch.no_grad()
+def sharded_eval_loss(
+    model: Callable[[Tensor], Tensor],
+    data: Tensor,
+    block_size: int,
+    batch_size: int,
+    ctx: DistContext,
+    max_tokens: int | None,
+) -> float:
+    """evaluate_loss's protocol with the batches shared out over ranks; bit-identical to one process.
+
+    Rank r evaluates batches r, r + N, …; each batch's summed loss is placed at its index in a vector
+    that is all-reduced (x + 0 is exact), then summed in the original order as evaluate_loss does.
+    """
+    if not ctx.enabled:
+        return evaluate_loss(model, data, block_size, batch_size, ctx.device, max_tokens)
+    if max_tokens is not None:
+        data = data[:max_tokens]
+    batches = list(eval_windows(data, block_size, batch_size))
+    sums = torch.zeros(len(batches), dtype=torch.float64)
+    for i in range(math.ceil(len(batches) / ctx.world_size)):
+        index = ctx.rank + i * ctx.world_size
+        # FSDP gathers parameters collectively in every forward, so all ranks must run the same number
+        # of them: a rank with no batch left re-runs batch 0 and throws the result away.
+        x, y = batches[index] if index < len(batches) else batches[0]
+        logits = model(x.to(ctx.device))
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.to(ctx.device).flatten(), reduction="sum")
+        if index < len(batches):
+            sums[index] = float(loss)
+    if ctx.device.type == "cuda":
+        sums = sums.to(ctx.device)
+    dist.all_reduce(sums)
+    total = 0.0
+    for value in sums.tolist():
+        total += value
+    return total / (len(data) - 1)
+
+
+def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The parameter name behind each optimizer index (0, 1, … over the param groups in order)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def full_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """Consolidated (unsharded, CPU) model and optimizer state dicts, as one process would have them.
+
+    Every rank must call this (FSDP gathers); the dicts are complete on rank 0 and empty elsewhere
+    under FSDP. The optimizer state is keyed by index like `optimizer.state_dict()`, so a checkpoint
+    written by any strategy and world size loads into a plain single-process AdamW.
+    """
+    if not ctx.sharded:
+        raw = model.module if isinstance(model, DistributedDataParallel) else model
+        return raw.state_dict(), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = cast(dict[str, Tensor], get_model_state_dict(model, options=options))
+    by_name = cast(dict[str, Any], get_optimizer_state_dict(model, optimizer, options=options))
+    if not ctx.is_main:
+        return {}, {}
+    index = {name: i for i, name in enumerate(_param_names(model, optimizer))}
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in by_name["param_groups"]]
+    return model_state, {"state": {index[n]: s for n, s in by_name["state"].items()}, "param_groups": groups}
+
+
+class ConsolidatedOptimizer:
+    """An optimizer seen through consolidated state dicts (what checkpoint.load_training_state loads into)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> None:
+        self.model, self.optimizer, self.ctx = model, optimizer, ctx
+
+    def state_dict(self) -> dict[str, Any]:
+        """The consolidated state (a collective under FSDP)."""
+        return full_state(self.model, self.optimizer, self.ctx)[1]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a consolidated, index-keyed state; under FSDP every rank keeps its own shard of it."""
+        if not self.ctx.sharded:
+            self.optimizer.load_state_dict(state_dict)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        names = _param_names(self.model, self.optimizer)
+        if len(state_dict["param_groups"]) != len(self.optimizer.param_groups):
+            raise ValueError("the checkpoint's optimizer has a different number of parameter groups")
+        by_name = {
+            "state": {names[int(i)]: s for i, s in state_dict["state"].items()},
+            "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in state_dict["param_groups"]],
+        }
+        options = StateDictOptions(full_state_dict=True)
+        set_optimizer_state_dict(self.model, self.optimizer, cast(Any, by_name), options=options)
+
+
+def load_full_model_state(model: nn.Module, state: dict[str, Tensor], ctx: DistContext) -> None:
+    """Load consolidated weights (already checked by run.load_weights' rules) into the training model."""
+    if ctx.sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, cast(Any, state), options=StateDictOptions(full_state_dict=True))
+    else:
+        (model.module if isinstance(model, DistributedDataParallel) else model).load_state_dict(state)
+
+
+def seed_dropout(seed: int, step: int, ctx: DistContext) -> None:
+    """Give each rank its own dropout stream (identical masks on every rank would correlate the noise).
+
+    One process keeps the checkpointed RNG untouched, so its resumes stay bit-exact; with several, the
+    masks depend on the rank and on the step the run (re)started at.
+    """
+    if ctx.enabled:
+        torch.manual_seed(seed + 1_000_003 * ctx.rank + 7919 * step)
+
+
+def crash_for_test(step: int, ctx: DistContext) -> None:
+    """Test-only: die abruptly at the step named by QKV_TEST_CRASH_AT=RANK:STEP (to test failure handling)."""
+    target = os.environ.get(CRASH_ENV)
+    if target and target == f"{ctx.rank}:{step}":
+        print(f"rank {ctx.rank}: {CRASH_ENV} reached, exiting", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+def launch(nproc: int, argv: list[str], run_dir: str) -> int:
+    """Run `python -m qkv ARGV` in `nproc` local processes via torch's elastic launcher (torchrun's engine)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if "RANK" in os.environ:
+        raise QkvError("--nproc starts its own processes; under torchrun leave it out")
+    # torchrun --standalone's settings: a private rendezvous on a free local port, no restarts.
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"qkv-{uuid.uuid4().hex[:12]}",
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0)  # fmt: skip
+    # Split the cores instead of letting every process start one thread per core (torchrun sets 1).
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    try:
+        elastic_launch(config, sys.executable)("-m", "qkv", *argv)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        how = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else f"signal {failure.signal_name()}"
+        raise QkvError(
+            f"training process rank {rank} failed ({how}; its output is above) and the others were stopped; "
+            f"continue from the last checkpoint with --resume --out-dir {run_dir}"
+        ) from None
+    return 0

@@ -1,0 +1,241 @@
+"""Tests for data-parallel (DDP) and sharded (FSDP) training: 2 gloo processes on the CPU.
+
+Every run is the tiny model of test_training.py with dropout 0 (so that 2 ranks × B and 1 rank × 2B
+take bit-for-bit the same rows and the only differences are float summation order), 20 steps, an
+evaluation every 5 steps over the first 300 validation tokens. Three reference runs are shared by the
+tests: one process with batch 8 (in-process), 2 DDP processes with batch 4 (torchrun), and 2 FSDP
+processes with batch 4 (the `--nproc 2` shortcut).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import qkv
+from qkv.config import DecoderLMConfig
+from qkv.data import load_shakespeare
+from qkv.models import DecoderLM
+from qkv.training import TrainConfig, evaluate_loss, load, train
+from qkv.training.checkpoint import load_safetensors
+from qkv.training.dataset import prepare_text_data
+from qkv.training.distributed import DistContext, gradient_sync, wrap_model
+
+SRC = str(Path(qkv.__file__).resolve().parents[1])  # the qkv under test, also in the launched processes
+STEPS = 20
+ARGS = ["--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--dropout", "0", "--block-size", "32",
+        "--eval-interval", "5", "--eval-tokens", "300", "--sample-tokens", "0", "--device", "cpu",
+        "--max-steps", str(STEPS)]  # fmt: skip
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "qkv", "train"]
+QKV_TRAIN = [sys.executable, "-m", "qkv", "train"]
+Finished = subprocess.CompletedProcess[str]
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Train in-process on one thread, like the OMP_NUM_THREADS=1 subprocesses."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """The environment of every subprocess: this qkv, one thread per process (two cores, shared)."""
+    path = os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1", **extra}  # fmt: skip
+
+
+def _run(command: list[str], cwd: Path, **env: str) -> Finished:
+    """Run a command to completion, with a generous timeout that turns a hang into a failure."""
+    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=_env(**env), timeout=240)
+
+
+def _config(corpus: Path, out: Path, batch_size: int, **overrides: Any) -> TrainConfig:
+    """The in-process twin of `qkv train --data CORPUS ARGS --batch-size B --out-dir OUT`."""
+    model = {**TrainConfig().model, "n_layers": 1, "d_model": 32, "n_heads": 2, "dropout": 0.0}
+    settings: dict[str, Any] = {"data": str(corpus), "model": model, "block_size": 32, "batch_size": batch_size,
+                                "eval_interval": 5, "eval_tokens": 300, "sample_tokens": 0, "device": "cpu",
+                                "max_steps": STEPS, "out_dir": str(out)}  # fmt: skip
+    return TrainConfig(**{**settings, **overrides})
+
+
+def _rows(run_dir: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl as dicts."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _max_diff(a: Path, b: Path, keys: tuple[str, ...] = ("train_loss", "val_loss")) -> float:
+    """The largest difference of the logged losses of two runs, which must log the same steps."""
+    rows_a, rows_b = _rows(a), _rows(b)
+    assert [(r["step"], r["tokens_seen"]) for r in rows_a] == [(r["step"], r["tokens_seen"]) for r in rows_b]
+    return max(abs(ra[k] - rb[k]) for ra, rb in zip(rows_a, rows_b, strict=True) for k in keys)
+
+
+def _weights_diff(a: Path, b: Path) -> float:
+    """The largest difference between the latest weights of two runs."""
+    wa, wb = load_safetensors(a / "last.safetensors"), load_safetensors(b / "last.safetensors")
+    assert wa.keys() == wb.keys()
+    return max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 20,000-character text: 18,000 train / 2,000 val characters."""
+    path = tmp_path_factory.mktemp("data") / "excerpt.txt"
+    path.write_text(load_shakespeare()[:20_000], encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
+    """One process, batch 8."""
+    out = tmp_path_factory.mktemp("single") / "run"
+    with _one_thread():
+        train(_config(corpus, out, 8), verbose=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> tuple[Path, str]:
+    """Two DDP processes under torchrun, batch 4 each: (run dir, stderr)."""
+    out = tmp_path_factory.mktemp("ddp") / "run"
+    done = _run([*TORCHRUN, "--data", str(corpus), *ARGS, "--batch-size", "4", "--out-dir", str(out)], out.parent)
+    assert done.returncode == 0, done.stderr
+    return out, done.stderr
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> tuple[Path, Finished, float]:
+    """Two FSDP processes via the `--nproc 2` shortcut, batch 4 each, rank 1 dying at step 13 (checkpoint: 10).
+
+    Returns (run dir, the finished command, its wall-clock seconds).
+    """
+    out = tmp_path_factory.mktemp("crashed") / "run"
+    command = [*QKV_TRAIN, "--nproc", "2", "--strategy", "fsdp", "--data", str(corpus), *ARGS, "--batch-size", "4"]
+    start = time.monotonic()
+    done = _run([*command, "--out-dir", str(out)], out.parent, QKV_TEST_CRASH_AT="1:13")
+    return out, done, time.monotonic() - start
+
+
+def test_two_ddp_processes_equal_one_process_with_twice_the_batch(single: Path, ddp: tuple[Path, str]) -> None:
+    """Same rows, so the same losses and final weights (to float summation order); only rank 0 logs."""
+    run, stderr = ddp
+    assert [r["step"] for r in _rows(run)] == [5, 10, 15, 20]
+    assert _rows(run)[-1]["tokens_seen"] == STEPS * 8 * 32  # the global batch: 2 ranks × 4
+    assert _max_diff(single, run) < 1e-5
+    assert _weights_diff(single, run) < 1e-5
+    assert len(re.findall(r"^step +20 ", stderr, flags=re.M)) == 1  # one log, from rank 0
+    assert "2 processes (ddp), global batch 8" in stderr
+    # The sharded validation loss equals the one-process protocol on the same weights, bit for bit.
+    trained = load(run, "last")
+    data = prepare_text_data(trained.train_config.data, tokenizer=trained.tokenizer)
+    assert evaluate_loss(trained.model, data.val_ids, 32, 4, max_tokens=300) == _rows(run)[-1]["val_loss"]
+
+
+def test_a_dead_rank_stops_the_run_quickly_with_one_line(
+    crashed: tuple[Path, Finished, float],
+) -> None:
+    """Rank 1 exits at step 13: the launcher stops rank 0 too, and `--nproc` ends with one error line, exit 2."""
+    run, done, took = crashed
+    assert done.returncode == 2, done.stderr
+    assert took < 90, f"a dead rank took {took:.0f} s to stop the run"
+    last = done.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"qkv train: error: training process rank 1 failed \(exit code 1; .*--resume.*", last), last
+    assert "Traceback" not in done.stderr
+    assert [r["step"] for r in _rows(run)] == [5, 10]  # the checkpoint of step 10 survived
+
+
+def test_one_process_resumes_a_two_process_checkpoint(
+    tmp_path: Path, crashed: tuple[Path, Finished, float], ddp: tuple[Path, str]
+) -> None:
+    """A different world size: 1 process takes the run's global batch of 8 and continues from step 10.
+
+    Steps 1-10 ran under FSDP, 11-20 in one process; the uninterrupted reference is the DDP run.
+    """
+    run = tmp_path / "run"
+    shutil.copytree(crashed[0], run)
+    with _one_thread():
+        result = train(TrainConfig(out_dir=str(run), resume=True, max_steps=STEPS, device="cpu"), verbose=False)
+    assert result.step == STEPS
+    assert _max_diff(run, ddp[0]) < 1e-5
+    assert _weights_diff(run, ddp[0]) < 1e-5
+
+
+def test_fsdp_resumes_and_matches_ddp_and_its_checkpoint_loads_in_one_process(
+    tmp_path: Path, crashed: tuple[Path, Finished, float], ddp: tuple[Path, str]
+) -> None:
+    """torchrun + FSDP continues the crashed FSDP run: 20 FSDP steps track DDP's; the result loads and generates."""
+    run = tmp_path / "run"
+    shutil.copytree(crashed[0], run)
+    command = [*TORCHRUN, "--resume", "--out-dir", str(run), "--strategy", "fsdp", "--device", "cpu"]
+    done = _run([*command, "--sample-tokens", "0"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert re.findall(r"^step +(\d+) ", done.stderr, flags=re.M) == ["15", "20"]  # continued, once
+    assert _max_diff(run, ddp[0]) < 1e-4
+    assert _weights_diff(run, ddp[0]) < 1e-4
+    trained = load(run)  # the best weights, gathered from the shards and written by rank 0
+    text = trained.generate("ROMEO:", max_new_tokens=20, seed=0)
+    assert len(text) == 20
+
+
+@pytest.fixture
+def group_of_one(tmp_path: Path) -> Iterator[None]:
+    """An in-process gloo process group of one rank (enough to build DDP / FSDP modules and count their syncs)."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _accumulate(model: torch.nn.Module, micro_batches: int) -> None:
+    """Forward + backward of `micro_batches` micro-batches, syncing gradients only in the last, as the trainer does."""
+    for micro in range(micro_batches):
+        with gradient_sync(model, micro == micro_batches - 1):
+            x = torch.randint(0, 11, (2, 8), generator=torch.Generator().manual_seed(micro))
+            F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_gradient_accumulation_syncs_once_per_step(group_of_one: None, strategy: str) -> None:
+    """3 micro-batches, 1 gradient sync: DDP's all-reduce runs in the last backward only (FSDP: its sync flag)."""
+    torch.manual_seed(0)
+    lm = DecoderLM(DecoderLMConfig(vocab_size=11, n_layers=1, d_model=16, n_heads=2, max_positions=8, dropout=0.0))
+    model = wrap_model(lm, DistContext(0, 2, strategy, torch.device("cpu")))  # as rank 0 of 2 would wrap it
+    synced: list[bool] = []
+    if strategy == "ddp":
+        assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
+        # No annotation on `bucket`: DDP rejects any but the real dist.GradBucket class (here it would be a string).
+        def count(state: Any, bucket):  # type: ignore[no-untyped-def]
+            synced.append(True)
+            future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            future.set_result(bucket.buffer())
+            return future
+
+        model.register_comm_hook(None, count)
+        _accumulate(model, 3)
+        assert len(synced) == 1  # one bucket (a tiny model), all-reduced once
+    else:
+        real = model.set_requires_gradient_sync  # type: ignore[operator]
+        model.set_requires_gradient_sync = lambda on, **kw: (synced.append(on), real(on, **kw))  # type: ignore
+        _accumulate(model, 3)
+        assert synced == [False, True, False, True]  # off for micro-batches 1 and 2, back on for the last
