@@ -15,6 +15,7 @@ They compute the same numbers; tests hold them to 1e-5 in fp32.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal, overload
 
 import torch
@@ -25,6 +26,21 @@ from qkv.attention.masks import causal_mask
 from qkv.errors import QkvError
 
 Backend = Literal["auto", "reference", "fused"]
+
+
+def _broadcast(*shapes: Sequence[int]) -> tuple[int, ...] | None:
+    """NumPy broadcasting of shapes, or None if they do not broadcast.
+
+    Plain Python on purpose: torch.broadcast_shapes imports sympy on first use (≈ 0.4 s per process).
+    """
+    ndim = max(len(s) for s in shapes)
+    result = []
+    for dims in zip(*[(1,) * (ndim - len(s)) + tuple(s) for s in shapes], strict=True):
+        sizes = {d for d in dims if d != 1}
+        if len(sizes) > 1:
+            return None
+        result.append(sizes.pop() if sizes else 1)
+    return tuple(result)
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> None:
@@ -40,13 +56,11 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> None:
         raise QkvError(f"q, k, v must share a dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
     if not (q.device == k.device == v.device):
         raise QkvError(f"q, k, v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
-    try:
-        torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    except RuntimeError:
+    if _broadcast(q.shape[:-2], k.shape[:-2], v.shape[:-2]) is None:
         raise QkvError(
             f"leading (batch/head) dims do not broadcast: q {tuple(q.shape[:-2])}, "
             f"k {tuple(k.shape[:-2])}, v {tuple(v.shape[:-2])}"
-        ) from None
+        )
     if mask is None:
         return
     if mask.dtype != torch.bool:
@@ -56,12 +70,10 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> None:
     t_q, t_k = q.shape[-2], k.shape[-2]
     if mask.dim() < 2 or mask.shape[-2] not in (1, t_q) or mask.shape[-1] not in (1, t_k):
         raise QkvError(f"mask of shape {tuple(mask.shape)} does not broadcast to (..., T_q={t_q}, T_k={t_k})")
-    try:
-        torch.broadcast_shapes(mask.shape[:-2], q.shape[:-2])
-    except RuntimeError:
+    if _broadcast(mask.shape[:-2], q.shape[:-2]) is None:
         raise QkvError(
             f"mask leading dims {tuple(mask.shape[:-2])} do not broadcast to q's {tuple(q.shape[:-2])}"
-        ) from None
+        )
 
 
 @overload
@@ -167,9 +179,11 @@ def _fused_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float, dropout_p: float
 ) -> Tensor:
     """PyTorch's fused kernel (flash / memory-efficient / math, chosen by PyTorch)."""
-    lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    shapes = [q.shape[:-2], k.shape[:-2], v.shape[:-2]]
     if mask is not None:  # a (B, 1, 1, T_k) mask may add leading dims, as it does on the reference path
-        lead = torch.broadcast_shapes(lead, mask.shape[:-2])
+        shapes.append(mask.shape[:-2])
+    lead = _broadcast(*shapes)
+    assert lead is not None, "checked by _check_inputs"
     # The fused kernels want equal leading dims; expand() is a view, no copy.
     q = q.expand(*lead, *q.shape[-2:])
     k = k.expand(*lead, *k.shape[-2:])

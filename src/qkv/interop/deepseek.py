@@ -29,6 +29,7 @@ from torch import Tensor
 from qkv.config import DecoderLMConfig
 from qkv.errors import QkvError
 from qkv.interop.hf_io import Family, NameMap, Ref, hf_value, linear, load_mapped, norm, read_checkpoint, unsupported
+from qkv.interop.llama import shell_name_map
 from qkv.models import DecoderLM
 
 NAME = "DeepSeek-V3"
@@ -119,11 +120,7 @@ def name_map(cfg: DecoderLMConfig, rope_interleave: bool = True) -> NameMap:
         """A projection with RoPE rows at the end of every `group` rows."""
         return DeinterleavedRef(hf, rope_dim=d_r, group=group) if rope_interleave else Ref(hf)
 
-    refs: NameMap = {
-        "embed.tokens.weight": Ref("model.embed_tokens.weight"),
-        **norm("decoder.norm", "model.norm", bias=False),
-        "lm_head.weight": Ref("model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"),
-    }
+    refs = shell_name_map(cfg)
     for i in range(cfg.n_layers):
         q, h = f"decoder.layers.{i}", f"model.layers.{i}"
         refs |= norm(f"{q}.self_residual.norm", f"{h}.input_layernorm", bias=False)

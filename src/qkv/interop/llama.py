@@ -59,13 +59,18 @@ def config_from_hf(hf: dict[str, Any], tensor_names: Collection[str]) -> Decoder
     )
 
 
-def name_map(cfg: DecoderLMConfig) -> NameMap:
-    """Where each DecoderLM tensor lives in a LlamaForCausalLM checkpoint."""
-    refs: NameMap = {
+def shell_name_map(cfg: DecoderLMConfig) -> NameMap:
+    """Token embedding, final norm and output head, named as in Llama-style checkpoints (Llama, DeepSeek)."""
+    return {
         "embed.tokens.weight": Ref("model.embed_tokens.weight"),
         **norm("decoder.norm", "model.norm", bias=False),
         "lm_head.weight": Ref("model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"),
     }
+
+
+def name_map(cfg: DecoderLMConfig) -> NameMap:
+    """Where each DecoderLM tensor lives in a LlamaForCausalLM checkpoint."""
+    refs = shell_name_map(cfg)
     for i in range(cfg.n_layers):
         q, h = f"decoder.layers.{i}", f"model.layers.{i}"
         refs |= norm(f"{q}.self_residual.norm", f"{h}.input_layernorm", bias=False)

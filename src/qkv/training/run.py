@@ -90,6 +90,16 @@ def check_weights(model: torch.nn.Module, state: dict[str, Tensor], source: Path
             raise QkvError(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, the model expects {want}")
 
 
+def load_run_weights(model: torch.nn.Module, directory: Path, checkpoint: str) -> None:
+    """Copy a run's best (model.safetensors) or last (last.safetensors) weights into the model."""
+    if checkpoint not in ("best", "last"):
+        raise QkvError(f"checkpoint must be 'best' or 'last', got {checkpoint!r}")
+    weights = directory / (BEST_FILE if checkpoint == "best" else LAST_FILE)
+    if not weights.is_file():
+        raise QkvError(f"{directory} has no {weights.name} yet (training has not reached its first evaluation)")
+    load_weights(model, load_safetensors(weights), weights)
+
+
 @dataclass
 class LoadedRun:
     """A trained model with its tokenizer and configs."""
@@ -123,12 +133,7 @@ def load(run_dir: str | Path, checkpoint: str = "best", device: str | torch.devi
     config = read_run_config(directory)
     if config.get("model_type", "decoder_lm") != "decoder_lm":
         raise QkvError(f"{directory} holds a {config['model_type']} run, not a language model; try `qkv translate`")
-    if checkpoint not in ("best", "last"):
-        raise QkvError(f"checkpoint must be 'best' or 'last', got {checkpoint!r}")
-    weights = directory / (BEST_FILE if checkpoint == "best" else LAST_FILE)
-    if not weights.is_file():
-        raise QkvError(f"{directory} has no {weights.name} yet (training has not reached its first evaluation)")
     model = DecoderLM(DecoderLMConfig.from_dict(config["model"]))
-    load_weights(model, load_safetensors(weights), weights)
+    load_run_weights(model, directory, checkpoint)
     tokenizer = load_tokenizer(directory)
     return LoadedRun(model.to(device).eval(), tokenizer, TrainConfig.from_dict(config["training"]), directory)
