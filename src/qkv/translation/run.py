@@ -12,8 +12,8 @@ from qkv.errors import QkvError
 from qkv.models import Transformer
 from qkv.tokenizers import Tokenizer, load_tokenizer
 from qkv.tokenizers.bpe import ByteBPETokenizer
-from qkv.training.checkpoint import atomic_write_json, load_safetensors
-from qkv.training.run import BEST_FILE, CONFIG_FILE, FORMAT, LAST_FILE, load_weights, read_run_config
+from qkv.training.checkpoint import atomic_write_json
+from qkv.training.run import CONFIG_FILE, FORMAT, load_run_weights, read_run_config
 from qkv.translation.batching import Specials, source_tensor
 from qkv.translation.config import TranslateConfig
 from qkv.translation.decoding import beam_search, greedy_decode
@@ -101,13 +101,8 @@ def load_translation(
     config = read_run_config(directory)
     if config.get("model_type", "decoder_lm") != MODEL_TYPE:
         raise QkvError(f"{directory} holds a {config.get('model_type', 'decoder_lm')} run, not a translation model")
-    if checkpoint not in ("best", "last"):
-        raise QkvError(f"checkpoint must be 'best' or 'last', got {checkpoint!r}")
-    weights = directory / (BEST_FILE if checkpoint == "best" else LAST_FILE)
-    if not weights.is_file():
-        raise QkvError(f"{directory} has no {weights.name} yet (training has not reached its first evaluation)")
     model = Transformer(TransformerConfig.from_dict(config["model"]))
-    load_weights(model, load_safetensors(weights), weights)
+    load_run_weights(model, directory, checkpoint)
     tokenizer = load_tokenizer(directory)
     cfg = TranslateConfig.from_dict(config["training"])
     return TranslationRun(model.to(device).eval(), tokenizer, cfg, specials_of(tokenizer), directory)
