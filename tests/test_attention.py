@@ -1,5 +1,5 @@
-"""Tests for qkv.attention: scaled dot-product attention (both paths), masks, multi-head and
-grouped-query attention (parity with torch.nn.MultiheadAttention), and the KV cache.
+"""Tests for qkv.attention.sdpa and qkv.attention.masks: both attention paths against an independent
+float64 implementation, gradcheck, fully masked rows, and bad inputs.
 
 The attention reference used here is written from the formula, softmax(q kᵀ · scale) v, with
 explicit loops over rows and its own masking; it shares no code with qkv.
@@ -13,23 +13,17 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch import Tensor, nn
+from torch import Tensor
 
-from qkv import MultiHeadAttention, QkvError, scaled_dot_product_attention
+from qkv import QkvError, scaled_dot_product_attention
 from qkv.attention import (
-    KVCache,
-    LayerCache,
-    cache_length,
     causal_mask,
     combine_masks,
-    new_cache,
     padding_mask_from_ids,
     padding_mask_from_lengths,
-    reorder_cache,
     sliding_window_mask,
 )
 from qkv.attention.sdpa import Backend
-from qkv.positional import RotaryEmbedding
 
 MASK_KINDS = ("none", "padding", "arbitrary", "sliding", "combined")
 
@@ -341,267 +335,6 @@ def test_mask_helpers() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# MultiHeadAttention vs torch.nn.MultiheadAttention
-# --------------------------------------------------------------------------------------------
-
-
-def mha_pair(d_model: int, n_heads: int, bias: bool) -> tuple[nn.MultiheadAttention, MultiHeadAttention]:
-    """A torch MultiheadAttention and a qkv MultiHeadAttention holding the same weights."""
-    ref = nn.MultiheadAttention(d_model, n_heads, bias=bias, batch_first=True).eval()
-    if bias:  # torch zero-initialises the biases; make them count
-        with torch.no_grad():
-            ref.in_proj_bias.normal_()
-            ref.out_proj.bias.normal_()
-    mha = MultiHeadAttention(d_model, n_heads, bias=bias).eval()
-    with torch.no_grad():
-        wq, wk, wv = ref.in_proj_weight.chunk(3)
-        mha.q_proj.weight.copy_(wq)
-        mha.k_proj.weight.copy_(wk)
-        mha.v_proj.weight.copy_(wv)
-        mha.out_proj.weight.copy_(ref.out_proj.weight)
-        if bias:
-            bq, bk, bv = ref.in_proj_bias.chunk(3)
-            mha.q_proj.bias.copy_(bq)
-            mha.k_proj.bias.copy_(bk)
-            mha.v_proj.bias.copy_(bv)
-            mha.out_proj.bias.copy_(ref.out_proj.bias)
-    return ref, mha
-
-
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("d_model,n_heads", [(16, 4), (12, 3), (8, 1)])
-def test_mha_matches_torch_with_key_padding_mask(d_model: int, n_heads: int, bias: bool) -> None:
-    """Same output and head-averaged weights as torch, with torch's key_padding_mask (True = ignore)."""
-    ref, mha = mha_pair(d_model, n_heads, bias)
-    x = torch.randn(3, 6, d_model)
-    key_padding = torch.tensor([[0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 1, 1], [0, 1, 0, 0, 1, 1]], dtype=torch.bool)
-    with torch.no_grad():
-        expected, expected_w = ref(x, x, x, key_padding_mask=key_padding, need_weights=True)
-        out, weights = mha(x, mask=~key_padding[:, None, None, :], return_weights=True)
-    assert weights.shape == (3, n_heads, 6, 6)
-    assert (out - expected).abs().max().item() <= 1e-5
-    assert (weights.mean(1) - expected_w).abs().max().item() <= 1e-5
-    assert (weights[2, :, :, 1] == 0).all()
-
-
-@pytest.mark.parametrize("bias", [True, False])
-def test_mha_matches_torch_with_causal_mask(bias: bool) -> None:
-    """causal=True (and the explicit causal mask) equal torch with attn_mask True = not allowed."""
-    ref, mha = mha_pair(16, 4, bias)
-    x = torch.randn(2, 7, 16)
-    not_allowed = torch.ones(7, 7, dtype=torch.bool).triu(1)
-    with torch.no_grad():
-        expected, expected_w = ref(x, x, x, attn_mask=not_allowed, need_weights=True)
-        out, weights = mha(x, causal=True, return_weights=True)
-        out_masked = mha(x, mask=causal_mask(7))
-        out_fused = mha(x, causal=True)
-    for o in (out, out_masked, out_fused):
-        assert (o - expected).abs().max().item() <= 1e-5
-    assert (weights.mean(1) - expected_w).abs().max().item() <= 1e-5
-
-
-@pytest.mark.parametrize("t_q,t_k", [(3, 7), (5, 2)])
-def test_mha_cross_attention_matches_torch(t_q: int, t_k: int) -> None:
-    """Cross-attention (queries from x, keys/values from a context of another length) with padding."""
-    ref, mha = mha_pair(16, 2, True)
-    x = torch.randn(2, t_q, 16)
-    ctx = torch.randn(2, t_k, 16)
-    key_padding = torch.zeros(2, t_k, dtype=torch.bool)
-    key_padding[1, -1] = True
-    with torch.no_grad():
-        expected, expected_w = ref(x, ctx, ctx, key_padding_mask=key_padding, need_weights=True)
-        out, weights = mha(x, context=ctx, mask=~key_padding[:, None, None, :], return_weights=True)
-        out_fused = mha(x, context=ctx, mask=~key_padding[:, None, None, :])
-    assert weights.shape == (2, 2, t_q, t_k)
-    assert (out - expected).abs().max().item() <= 1e-5
-    assert (out_fused - expected).abs().max().item() <= 1e-5
-    assert (weights.mean(1) - expected_w).abs().max().item() <= 1e-5
-
-
-def test_gqa_with_all_kv_heads_equals_mha() -> None:
-    """n_kv_heads = n_heads is plain multi-head attention: same weights, same output."""
-    mha = MultiHeadAttention(16, 4).eval()
-    gqa = MultiHeadAttention(16, 4, n_kv_heads=4).eval()
-    gqa.load_state_dict(mha.state_dict())
-    x = torch.randn(2, 5, 16)
-    with torch.no_grad():
-        assert torch.allclose(gqa(x, causal=True), mha(x, causal=True), atol=1e-6)
-
-
-def _repeat_kv_heads(weight: Tensor, n_kv: int, group: int) -> Tensor:
-    """(n_kv·D, ...) → (n_kv·group·D, ...): each K/V head's rows repeated for its query-head group."""
-    d_head = weight.shape[0] // n_kv
-    return (
-        weight.reshape(n_kv, d_head, *weight.shape[1:])
-        .repeat_interleave(group, dim=0)
-        .reshape(n_kv * group * d_head, *weight.shape[1:])
-    )
-
-
-@pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 2), (4, 1), (6, 3), (6, 2)])
-def test_gqa_equals_mha_with_repeated_kv_heads(n_heads: int, n_kv_heads: int) -> None:
-    """Grouped-query attention = MHA whose K/V projections are the kv heads repeated per group."""
-    d_model = 4 * n_heads
-    group = n_heads // n_kv_heads
-    gqa = MultiHeadAttention(d_model, n_heads, n_kv_heads=n_kv_heads).eval()
-    assert gqa.k_proj.weight.shape == (n_kv_heads * 4, d_model)
-    mha = MultiHeadAttention(d_model, n_heads).eval()
-    with torch.no_grad():
-        for p in gqa.parameters():
-            p.normal_(std=0.3)  # non-zero biases, moderate magnitudes
-        mha.q_proj.load_state_dict(gqa.q_proj.state_dict())
-        mha.out_proj.load_state_dict(gqa.out_proj.state_dict())
-        for name in ("k_proj", "v_proj"):
-            src, dst = getattr(gqa, name), getattr(mha, name)
-            dst.weight.copy_(_repeat_kv_heads(src.weight, n_kv_heads, group))
-            dst.bias.copy_(_repeat_kv_heads(src.bias, n_kv_heads, group))
-    x = torch.randn(2, 5, d_model)
-    mask = padding_mask_from_lengths([5, 3])
-    with torch.no_grad():
-        out_g, w_g = gqa(x, mask=mask, causal=True, return_weights=True)
-        out_m, w_m = mha(x, mask=mask, causal=True, return_weights=True)
-        ctx = torch.randn(2, 3, d_model)
-        cross_g, cross_m = gqa(x, context=ctx), mha(x, context=ctx)
-    assert (out_g - out_m).abs().max().item() <= 1e-5
-    assert (w_g - w_m).abs().max().item() <= 1e-6
-    assert (cross_g - cross_m).abs().max().item() <= 1e-5
-
-
-# --------------------------------------------------------------------------------------------
-# MultiHeadAttention properties
-# --------------------------------------------------------------------------------------------
-
-
-@settings(max_examples=25, deadline=None)
-@given(
-    t=st.integers(2, 7),
-    heads=st.sampled_from([(8, 1), (8, 2), (12, 4), (12, 3)]),
-    n_kv_div=st.sampled_from([1, 2]),
-    seed=st.integers(0, 2**16),
-)
-def test_self_attention_is_permutation_equivariant(t: int, heads: tuple[int, int], n_kv_div: int, seed: int) -> None:
-    """Without positions or masks, permuting the tokens permutes the outputs the same way."""
-    d_model, n_heads = heads
-    n_kv = n_heads // n_kv_div if n_heads % n_kv_div == 0 else n_heads
-    torch.manual_seed(seed)
-    mha = MultiHeadAttention(d_model, n_heads, n_kv_heads=n_kv).eval()
-    x = torch.randn(2, t, d_model)
-    perm = torch.randperm(t)
-    with torch.no_grad():
-        out = mha(x)
-        out_perm = mha(x[:, perm])
-        _, w = mha(x, return_weights=True)
-        _, w_perm = mha(x[:, perm], return_weights=True)
-    assert (out_perm - out[:, perm]).abs().max().item() <= 1e-5
-    assert (w_perm - w[:, :, perm][:, :, :, perm]).abs().max().item() <= 1e-5
-
-
-@settings(max_examples=25, deadline=None)
-@given(t=st.integers(2, 8), data=st.data(), seed=st.integers(0, 2**16), n_kv=st.sampled_from([1, 2, 4]))
-def test_causal_self_attention_ignores_the_future(t: int, data: st.DataObject, seed: int, n_kv: int) -> None:
-    """With causal=True, outputs up to position p do not change when tokens after p change."""
-    p = data.draw(st.integers(0, t - 2))
-    torch.manual_seed(seed)
-    mha = MultiHeadAttention(16, 4, n_kv_heads=n_kv).eval()
-    x = torch.randn(2, t, 16)
-    y = x.clone()
-    y[:, p + 1 :] = torch.randn(2, t - p - 1, 16) * 3
-    with torch.no_grad():
-        for backend_weights in (False, True):
-            if backend_weights:
-                out_x, _ = mha(x, causal=True, return_weights=True)
-                out_y, _ = mha(y, causal=True, return_weights=True)
-            else:
-                out_x, out_y = mha(x, causal=True), mha(y, causal=True)
-            assert (out_x[:, : p + 1] - out_y[:, : p + 1]).abs().max().item() <= 1e-6
-            assert (out_x[:, p + 1 :] - out_y[:, p + 1 :]).abs().max().item() > 1e-4  # the future did change
-
-
-def test_mha_weights_rows_sum_to_one_with_padding() -> None:
-    """MHA's returned weights are a distribution over the real keys."""
-    mha = MultiHeadAttention(16, 4).eval()
-    x = torch.randn(2, 5, 16)
-    with torch.no_grad():
-        _, w = mha(x, mask=padding_mask_from_lengths([5, 2]), return_weights=True)
-    assert torch.allclose(w.sum(-1), torch.ones(2, 4, 5), atol=1e-6)
-    assert (w[1, :, :, 2:] == 0).all()
-
-
-# --------------------------------------------------------------------------------------------
-# KV cache
-# --------------------------------------------------------------------------------------------
-
-
-def test_kv_cache_append_grows_and_keeps_contents() -> None:
-    """Appends past the initial capacity reallocate and keep every earlier entry."""
-    cache = KVCache(capacity=2)
-    ks, vs = [], []
-    for n in (1, 3, 2, 5):
-        k, v = torch.randn(2, 3, n, 4), torch.randn(2, 3, n, 4)
-        ks.append(k)
-        vs.append(v)
-        k_all, v_all = cache.append(k, v)
-        assert torch.equal(k_all, torch.cat(ks, dim=2))
-        assert torch.equal(v_all, torch.cat(vs, dim=2))
-    assert cache.length == 11
-    assert cache.capacity >= 11
-    assert cache.nbytes() == 2 * 2 * 3 * 11 * 4 * 4
-    index = torch.tensor([1, 0])
-    cache.reorder(index)
-    k_all, v_all = cache.keys_values()
-    assert torch.equal(k_all, torch.cat(ks, dim=2)[index])
-    assert torch.equal(v_all, torch.cat(vs, dim=2)[index])
-
-
-def test_cache_helpers() -> None:
-    """new_cache, cache_length and reorder_cache work over all layers."""
-    caches = new_cache(3, capacity=4)
-    assert len(caches) == 3 and all(isinstance(c, LayerCache) for c in caches)
-    assert cache_length(caches) == 0 and cache_length(None) == 0
-    for c in caches:
-        c.self_attn.append(torch.arange(6.0).reshape(2, 1, 3, 1), torch.zeros(2, 1, 3, 1))
-        c.cross_attn.set(torch.arange(4.0).reshape(2, 1, 2, 1), torch.zeros(2, 1, 2, 1))
-    assert cache_length(caches) == 3
-    reorder_cache(caches, torch.tensor([1, 1]))
-    for c in caches:
-        assert torch.equal(c.self_attn.keys_values()[0][:, 0, :, 0], torch.tensor([[3.0, 4, 5], [3, 4, 5]]))
-        assert torch.equal(c.cross_attn.keys_values()[0][:, 0, :, 0], torch.tensor([[2.0, 3], [2, 3]]))
-
-
-@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
-@pytest.mark.parametrize("use_rope", [False, True])
-def test_mha_incremental_decoding_matches_full_causal(n_kv_heads: int, use_rope: bool) -> None:
-    """Feeding tokens one (or a few) at a time through the cache equals one causal pass."""
-    mha = MultiHeadAttention(16, 4, n_kv_heads=n_kv_heads).eval()
-    rotary = RotaryEmbedding(4, 32)
-    x = torch.randn(2, 7, 16)
-    with torch.no_grad():
-        full = mha(x, causal=True, rope=rotary(7) if use_rope else None)
-        cache = KVCache(capacity=2)
-        steps, pos = [], 0
-        for n in (3, 1, 1, 2):
-            rope = rotary(n, start=pos) if use_rope else None
-            steps.append(mha(x[:, pos : pos + n], causal=True, cache=cache, rope=rope))
-            pos += n
-    assert cache.length == 7
-    assert cache.keys_values()[0].shape == (2, n_kv_heads, 7, 4)
-    assert (torch.cat(steps, dim=1) - full).abs().max().item() <= 1e-5
-
-
-def test_cross_attention_cache_is_filled_once() -> None:
-    """Cross-attention stores the context's K/V on the first call and reuses them afterwards."""
-    mha = MultiHeadAttention(16, 4).eval()
-    x, ctx = torch.randn(2, 3, 16), torch.randn(2, 5, 16)
-    cache = KVCache()
-    with torch.no_grad():
-        full = mha(x, context=ctx)
-        first = mha(x[:, :1], context=ctx, cache=cache)
-        rest = mha(x[:, 1:], context=ctx, cache=cache)
-    assert cache.length == 5
-    assert (torch.cat([first, rest], dim=1) - full).abs().max().item() <= 1e-6
-
-
-# --------------------------------------------------------------------------------------------
 # Bad inputs
 # --------------------------------------------------------------------------------------------
 
@@ -631,43 +364,3 @@ def test_sdpa_bad_inputs(args: tuple, kwargs: dict, match: str) -> None:
     """Misshapen or mistyped inputs raise QkvError naming the problem."""
     with pytest.raises(QkvError, match=match):
         scaled_dot_product_attention(*args, **kwargs)
-
-
-def test_mha_bad_inputs() -> None:
-    """MultiHeadAttention refuses bad head counts and inputs of the wrong width, by name."""
-    with pytest.raises(QkvError, match=r"n_heads=3 must divide d_model=16"):
-        MultiHeadAttention(16, 3)
-    with pytest.raises(QkvError, match=r"n_kv_heads=3 must divide n_heads=4"):
-        MultiHeadAttention(16, 4, n_kv_heads=3)
-    with pytest.raises(QkvError, match=r"dropout must be in \[0, 1\)"):
-        MultiHeadAttention(16, 4, dropout=-0.1)
-    mha = MultiHeadAttention(16, 4)
-    with pytest.raises(QkvError, match=r"attention input must be \(B, T, d_model=16\), got \(2, 3, 12\)"):
-        mha(torch.randn(2, 3, 12))
-    with pytest.raises(QkvError, match=r"attention input must be"):
-        mha(torch.randn(3, 16))
-    with pytest.raises(QkvError, match=r"context must be \(B=2"):
-        mha(torch.randn(2, 3, 16), context=torch.randn(3, 4, 16))
-    with pytest.raises(QkvError, match=r"mask must broadcast to \(B, H, T_q, T_k\)"):
-        mha(torch.randn(2, 3, 16), mask=torch.ones(1, 2, 1, 1, 3, dtype=torch.bool))
-    with pytest.raises(QkvError, match=r"mask of shape"):
-        mha(torch.randn(2, 3, 16), mask=torch.ones(2, 1, 1, 4, dtype=torch.bool))
-    with pytest.raises(QkvError, match=r"sliding window must be at least 1"):
-        sliding_window_mask(3, 0)
-    with pytest.raises(QkvError, match=r"lengths must be non-negative"):
-        padding_mask_from_lengths([2, -1])
-    with pytest.raises(QkvError, match=r"a length exceeds max_len=2"):
-        padding_mask_from_lengths([3], max_len=2)
-
-
-def test_kv_cache_grows_geometrically() -> None:
-    """Appending one token at a time reallocates O(log T) times, not once per token."""
-    from qkv.attention.cache import KVCache
-
-    cache = KVCache(capacity=4)
-    capacities = []
-    for _ in range(100):
-        cache.append(torch.randn(1, 2, 1, 3), torch.randn(1, 2, 1, 3))
-        capacities.append(cache.capacity)
-    assert sorted(set(capacities)) == [4, 8, 16, 32, 64, 128]
-    assert cache.length == 100

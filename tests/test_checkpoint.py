@@ -14,6 +14,7 @@ from torch import nn
 
 from qkv.errors import QkvError
 from qkv.training import checkpoint as ckpt
+from qkv.training import train_state
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
@@ -141,14 +142,14 @@ def test_optimizer_state_round_trip_is_exact(tmp_path: Path) -> None:
     """A restored AdamW continues bit-for-bit like the original."""
     model_a, opt_a = _model_and_opt()
     _train(model_a, opt_a, steps=3, seed=1)
-    tensors, meta = ckpt.optimizer_state_to_safetensors(opt_a)
+    tensors, meta = train_state.optimizer_state_to_safetensors(opt_a)
     assert isinstance(opt_a.state_dict()["state"][0]["step"], torch.Tensor)
     ckpt.atomic_save_safetensors(tmp_path / "o.safetensors", tensors)
     ckpt.atomic_write_json(tmp_path / "o.json", meta)
 
     model_b, opt_b = _model_and_opt(seed=123)  # different init: everything must come from disk
     model_b.load_state_dict(model_a.state_dict())
-    sd = ckpt.optimizer_state_from_safetensors(
+    sd = train_state.optimizer_state_from_safetensors(
         ckpt.load_safetensors(tmp_path / "o.safetensors"), ckpt.load_json(tmp_path / "o.json")
     )
     opt_b.load_state_dict(sd)
@@ -167,9 +168,9 @@ def test_optimizer_non_tensor_state_survives() -> None:
     opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
     opt.state[p]["counter"] = 7
     opt.state[p]["momentum_buffer"] = torch.full((2,), 0.5)
-    tensors, meta = ckpt.optimizer_state_to_safetensors(opt)
+    tensors, meta = train_state.optimizer_state_to_safetensors(opt)
     assert set(tensors) == {"state.0.momentum_buffer"}
-    sd = ckpt.optimizer_state_from_safetensors(tensors, json.loads(json.dumps(meta)))
+    sd = train_state.optimizer_state_from_safetensors(tensors, json.loads(json.dumps(meta)))
     assert sd["state"][0]["counter"] == 7
 
 
@@ -177,9 +178,9 @@ def test_rng_round_trip() -> None:
     """Restored RNG states replay the same draws for torch, random, numpy and a Generator."""
     gen = torch.Generator().manual_seed(42)
     random.gauss(0, 1)  # leave a cached gaussian so gauss_next is non-None
-    tensors, meta = ckpt.rng_state_to_tensors()
+    tensors, meta = train_state.rng_state_to_tensors()
     meta = json.loads(json.dumps(meta))  # must survive JSON
-    gen_state = ckpt.generator_state(gen)
+    gen_state = train_state.generator_state(gen)
 
     def draw() -> tuple[torch.Tensor, list[float], np.ndarray, torch.Tensor]:
         return (
@@ -190,8 +191,8 @@ def test_rng_round_trip() -> None:
         )
 
     first = draw()
-    ckpt.restore_rng_state(tensors, meta)
-    ckpt.set_generator_state(gen, gen_state)
+    train_state.restore_rng_state(tensors, meta)
+    train_state.set_generator_state(gen, gen_state)
     second = draw()
     assert torch.equal(first[0], second[0])
     assert first[1] == second[1]
