@@ -191,3 +191,20 @@ def test_mla_trains_through_qkv_train(tmp_path: Path) -> None:
     assert metrics[-1]["train_loss"] < metrics[0]["train_loss"]
     saved = json.loads((out / "config.json").read_text())["model"]
     assert (saved["attention"], saved["kv_lora_rank"], saved["q_lora_rank"]) == ("mla", 16, 16)
+
+
+def test_latent_down_projections_get_the_plain_init_std() -> None:
+    """Only projections writing into the residual stream get GPT-2's smaller std; MLA's q/kv_down do not."""
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderLMConfig(**{**MLA, "d_model": 256, "n_layers": 8, "q_lora_rank": 64}))
+    attn = model.decoder.layers[0].self_attn
+    assert abs(float(attn.kv_down.weight.std()) - 0.02) < 0.002
+    assert abs(float(attn.q_down.weight.std()) - 0.02) < 0.002
+    assert abs(float(attn.out_proj.weight.std()) - 0.02 / 4) < 0.001  # 0.02 / √(2 · 8)
+
+
+def test_moe_block_refuses_groups_of_one_expert() -> None:
+    from qkv.blocks.moe import MoEFeedForward
+
+    with pytest.raises(QkvError, match="groups of ≥ 2"):
+        MoEFeedForward(8, 16, n_experts=4, top_k=2, n_groups=4, topk_groups=2)

@@ -31,9 +31,9 @@ def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None 
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum_probs = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token when the tokens before it already hold top_p of the mass; the first always stays.
-        drop_sorted = (cum_probs - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

@@ -34,7 +34,7 @@ def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
     return table.float()
 
 
-def _check_length(start: int, length: int, max_len: int) -> None:
+def check_length(start: int, length: int, max_len: int) -> None:
     """Refuse positions past the table instead of silently indexing out of range."""
     if start + length > max_len:
         raise QkvError(
@@ -56,7 +56,7 @@ class SinusoidalPositionalEncoding(nn.Module):
 
     def forward(self, length: int, start: int = 0) -> Tensor:
         """(length, d_model) encodings of positions start .. start + length − 1."""
-        _check_length(start, length, self.max_len)
+        check_length(start, length, self.max_len)
         return self.table[start : start + length]
 
 
@@ -71,7 +71,7 @@ class LearnedPositionalEmbedding(nn.Module):
 
     def forward(self, length: int, start: int = 0) -> Tensor:
         """(length, d_model) embeddings of positions start .. start + length − 1."""
-        _check_length(start, length, self.max_len)
+        check_length(start, length, self.max_len)
         return self.weight[start : start + length]
 
 
@@ -98,7 +98,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, length: int, start: int = 0) -> tuple[Tensor, Tensor]:
         """(cos, sin), each (length, head_dim), for positions start .. start + length − 1."""
-        _check_length(start, length, self.max_len)
+        check_length(start, length, self.max_len)
         return self.cos_table[start : start + length], self.sin_table[start : start + length]
 
 

@@ -89,7 +89,7 @@ def cache_length(cache: list[LayerCache] | None) -> int:
 
 
 def reorder_cache(cache: list[LayerCache], index: Tensor) -> None:
-    """Reorder every layer's self-attention cache (cross-attention keys are shared by construction)."""
+    """Keep batch rows `index` in every layer's self- and cross-attention caches (beam search)."""
     for layer in cache:
         layer.self_attn.reorder(index)
         layer.cross_attn.reorder(index)

@@ -71,9 +71,7 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> None:
     if mask.dim() < 2 or mask.shape[-2] not in (1, t_q) or mask.shape[-1] not in (1, t_k):
         raise QkvError(f"mask of shape {tuple(mask.shape)} does not broadcast to (..., T_q={t_q}, T_k={t_k})")
     if _broadcast(mask.shape[:-2], q.shape[:-2]) is None:
-        raise QkvError(
-            f"mask leading dims {tuple(mask.shape[:-2])} do not broadcast to q's {tuple(q.shape[:-2])}"
-        )
+        raise QkvError(f"mask leading dims {tuple(mask.shape[:-2])} do not broadcast to q's {tuple(q.shape[:-2])}")
 
 
 @overload

@@ -52,8 +52,8 @@ class MoEFeedForward(nn.Module):
         bias: bool = False,
     ) -> None:
         super().__init__()
-        if n_experts < 1 or n_groups < 1 or n_experts % n_groups:
-            raise QkvError(f"moe_groups={n_groups} must divide moe_experts={n_experts}")
+        if n_experts < 1 or n_groups < 1 or n_experts % n_groups or (n_groups > 1 and n_experts // n_groups < 2):
+            raise QkvError(f"moe_groups={n_groups} must divide moe_experts={n_experts} into groups of ≥ 2")
         if not 1 <= topk_groups <= n_groups:
             raise QkvError(f"moe_topk_groups must be in [1, moe_groups={n_groups}], got {topk_groups}")
         if not 1 <= top_k <= topk_groups * (n_experts // n_groups):

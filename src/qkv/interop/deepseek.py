@@ -55,9 +55,9 @@ def config_from_hf(hf: dict[str, Any], tensor_names: Collection[str] = ()) -> De
     moe: dict[str, Any] = {}
     if hf.get("n_routed_experts"):
         moe = {"moe_experts": hf["n_routed_experts"], "moe_top_k": hf_value(hf, "num_experts_per_tok", NAME),
-               "moe_shared_experts": hf.get("n_shared_experts") or 0,
+               "moe_shared_experts": hf.get("n_shared_experts", 1) or 0,
                "moe_d_ff": hf_value(hf, "moe_intermediate_size", NAME), "moe_groups": hf.get("n_group") or 1,
-               "moe_topk_groups": hf.get("topk_group") or 1, "moe_norm_topk": bool(hf.get("norm_topk_prob")),
+               "moe_topk_groups": hf.get("topk_group") or 1, "moe_norm_topk": bool(hf.get("norm_topk_prob", True)),
                "moe_scale": float(hf.get("routed_scaling_factor", 1.0)),
                "moe_first_dense": hf.get("first_k_dense_replace") or 0}  # fmt: skip
     return DecoderLMConfig(

@@ -98,8 +98,9 @@ def _config(reader: Any, has_output: bool, n_vocab: int) -> dict[str, Any]:
     hidden, heads = get("embedding_length"), get("attention.head_count")
     if get("rope.dimension_count", hidden // heads) != hidden // heads:
         raise QkvError("GGUF llama.rope.dimension_count differs from the head size: partial rotary is not supported")
-    if get("rope.scaling.type", "none") not in ("none", "linear") or get("rope.scaling.factor", 1.0) != 1.0:
-        raise QkvError(f"GGUF rope scaling {get('rope.scaling.type')!r} is not supported")
+    scaling, factor = get("rope.scaling.type", "none"), get("rope.scaling.factor", 1.0)
+    if scaling not in ("none", "linear") or factor != 1.0:
+        raise QkvError(f"GGUF rope scaling {scaling!r} (factor {factor}) is not supported")
     return {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],

@@ -89,6 +89,8 @@ def export_problems(cfg: DecoderLMConfig) -> list[str]:
     for flag in ("scale_embeddings", "embedding_norm"):
         if getattr(cfg, flag):
             problems.append(f"{flag}=True")
+    if cfg.position_offset:
+        problems.append(f"position_offset={cfg.position_offset} (GPT-2's position table starts at 0)")
     return problems
 
 

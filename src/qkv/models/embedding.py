@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from qkv.config import EncoderConfig, ModelConfig
 from qkv.errors import QkvError
 from qkv.norms import make_norm
-from qkv.positional import LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding
+from qkv.positional import LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding, check_length
 
 Rope = tuple[Tensor, Tensor] | None
 
@@ -52,12 +52,9 @@ class Embeddings(nn.Module):
         if ids.dtype not in (torch.int64, torch.int32):
             raise QkvError(f"token ids must be an integer tensor, got {ids.dtype}")
         t = ids.shape[1]
-        if start + t > self.max_positions:
-            raise QkvError(
-                f"sequence reaches position {start + t} but the model has max_positions={self.max_positions}; "
-                "shorten the input or raise max_positions"
-            )
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+        check_length(start, t, self.max_positions)
+        # One reduction, one host sync; the min/max for the message are computed only on failure.
+        if ids.numel() and bool(((ids < 0) | (ids >= self.vocab_size)).any()):
             raise QkvError(
                 f"token id out of range [0, {self.vocab_size}): got min {int(ids.min())}, max {int(ids.max())}"
             )
@@ -82,7 +79,8 @@ def init_normal_(module: nn.Module, std: float = 0.02, residual_std: float | Non
     """
     for name, sub in module.named_modules():
         if isinstance(sub, nn.Linear):
-            is_residual_out = name.endswith("out_proj") or name.endswith("down")
+            # Only the projections that write into the residual stream (not MLA's q_down / kv_down).
+            is_residual_out = name.rsplit(".", 1)[-1] in ("out_proj", "down")
             nn.init.normal_(sub.weight, std=residual_std if (residual_std and is_residual_out) else std)
             if sub.bias is not None:
                 nn.init.zeros_(sub.bias)

@@ -9,8 +9,8 @@ from typing import Any
 
 from qkv.config import DecoderLMConfig
 from qkv.errors import QkvError
+from qkv.training.schedule import SCHEDULE_KINDS
 
-SCHEDULES = ("cosine", "linear", "constant", "inverse_sqrt")
 DTYPES = ("float32", "bfloat16", "float16")
 TOKENIZERS = ("char", "bpe")
 STRATEGIES = ("ddp", "fsdp")  # how several processes (torchrun, --nproc) share the work
@@ -67,8 +67,8 @@ class TrainConfig:
         """Refuse impossible settings with a message naming the setting."""
         if self.tokenizer not in TOKENIZERS:
             raise QkvError(f"unknown tokenizer {self.tokenizer!r}; choose one of: {', '.join(TOKENIZERS)}")
-        if self.schedule not in SCHEDULES:
-            raise QkvError(f"unknown schedule {self.schedule!r}; choose one of: {', '.join(SCHEDULES)}")
+        if self.schedule not in SCHEDULE_KINDS:
+            raise QkvError(f"unknown schedule {self.schedule!r}; choose one of: {', '.join(SCHEDULE_KINDS)}")
         if self.strategy not in STRATEGIES:
             raise QkvError(f"unknown strategy {self.strategy!r}; choose one of: {', '.join(STRATEGIES)}")
         if self.dist_timeout <= 0:

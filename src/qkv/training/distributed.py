@@ -130,8 +130,11 @@ def wrap_model(model: nn.Module, ctx: DistContext) -> nn.Module:
         return model
     if ctx.strategy == "ddp":
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        # The only buffers are rotary/sinusoidal tables, identical everywhere: syncing them before every
-        # forward would be wasted traffic (and a collective that would make eval forwards collective too).
+        # Buffers are fixed tables (rotary, sinusoidal) or fixed routing biases, identical everywhere:
+        # syncing them before every forward would be wasted traffic. BatchNorm's running statistics
+        # would drift apart per rank, so batch norm is refused under more than one process.
+        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+            raise QkvError("norm=batch keeps per-rank running statistics; use layer or rms norm with several processes")
         return DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
     from torch.distributed.fsdp import fully_shard
 

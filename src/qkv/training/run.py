@@ -124,7 +124,9 @@ class LoadedRun:
         steps = stream(
             self.model, ids, max_new_tokens, temperature, top_k, top_p, eos_id=self.tokenizer.eos_id, generator=gen
         )
-        return self.tokenizer.decode([int(t[0]) for t in steps])
+        tokens = [int(t) for t in torch.stack(list(steps))[:, 0].tolist()] if max_new_tokens else []
+        eos = self.tokenizer.eos_id
+        return self.tokenizer.decode(tokens[: tokens.index(eos)] if eos in tokens else tokens)
 
 
 def load(run_dir: str | Path, checkpoint: str = "best", device: str | torch.device = "cpu") -> LoadedRun:
