@@ -72,7 +72,7 @@ def test_warmup_equal_to_total_and_no_warmup() -> None:
         ({"warmup_steps": 200}, "schedule warmup_steps (200) must not exceed total_steps (100)"),
         (
             {"kind": "step"},
-            "unknown schedule kind 'step'; choose one of: constant, cosine, inverse_sqrt, linear",
+            "unknown schedule kind 'step'; choose one of: cosine, linear, constant, inverse_sqrt",
         ),
     ],
 )

@@ -189,6 +189,16 @@ def test_resuming_a_finished_run_takes_no_steps(tmp_path: Path, corpus: Path, re
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before
 
 
+def test_python_api_resume_keeps_the_stored_schedule(tmp_path: Path, reference: _References) -> None:
+    """`qkv.train(resume=True, out_dir=D)` without max_steps continues the run's own 40-step schedule."""
+    run = tmp_path / "done"
+    shutil.copytree(reference(40), run)
+    with _one_thread():
+        result = train(out_dir=str(run), resume=True, device="cpu", verbose=False)
+    assert result.step == 40  # not stretched to TrainConfig's default of 2000 steps
+    assert json.loads((run / "config.json").read_text())["training"]["max_steps"] == 40
+
+
 # --- 2. checkpoints are never half-written ----------------------------------------------------------------
 
 

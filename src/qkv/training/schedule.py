@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from qkv.errors import QkvError
 
-SCHEDULE_KINDS = ("constant", "cosine", "inverse_sqrt", "linear")
+SCHEDULE_KINDS = ("cosine", "linear", "constant", "inverse_sqrt")
 
 
 @dataclass(frozen=True)

@@ -108,8 +108,11 @@ def train(cfg: TrainConfig | None = None, verbose: bool = True, **overrides: Any
     if cfg.resume:
         stored = read_run_config(run_dir)
         # How to run (budget, device, process layout) may change on resume; what to train may not.
+        # A launch setting left at its default keeps the stored value: `qkv.train(resume=True, out_dir=D)`
+        # must not silently stretch a 500-step cosine schedule to the default 2000 steps.
         names = ("max_time", "device", "max_steps", "strategy", "dist_timeout")
-        launch = {name: getattr(cfg, name) for name in names}
+        defaults = TrainConfig()
+        launch = {name: getattr(cfg, name) for name in names if getattr(cfg, name) != getattr(defaults, name)}
         cfg = TrainConfig.from_dict({**stored["training"], **launch, "resume": True, "out_dir": str(run_dir)})
         tokenizer = load_tokenizer(run_dir)
     else:
