@@ -91,14 +91,14 @@ def decode_tokens_per_s(kind: str, context: int, absorb: bool = False, steps: in
     return 1.0 / statistics.median(times)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Print the bytes-per-token table and the decode-speed table (markdown), or JSON with --json."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--steps", type=int, default=5, help="timed decode steps per figure (median reported)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier on a busy machine)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     sizes = cache_bytes_per_token()

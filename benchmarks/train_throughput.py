@@ -83,7 +83,7 @@ def measure(cfg: DecoderLMConfig, batch_size: int, steps: int = 20, warmup: int 
     )  # fmt: skip
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Parse a model shape, measure, print a table and JSON."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n-layers", type=int, default=DEFAULT_MODEL["n_layers"])
@@ -95,7 +95,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--gpt", action="store_true", help="nanoGPT's block (learned positions, LayerNorm, GELU, biases)")
     p.add_argument("--json", help="also write the result to this file")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     block = {} if args.gpt else {k: v for k, v in DEFAULT_MODEL.items() if k not in ("n_layers", "d_model", "n_heads")}
     if not args.gpt and args.d_model != DEFAULT_MODEL["d_model"]:
         block.pop("d_ff", None)

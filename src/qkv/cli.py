@@ -9,11 +9,11 @@ import argparse
 import ast
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 
+from qkv.bench import register as _add_bench
 from qkv.errors import QkvError
 from qkv.interop.cli import register as _add_convert
 from qkv.lab.cli import register as _add_lab
@@ -63,7 +63,7 @@ def _add_train(sub: Any) -> None:
     p.add_argument("--max-steps", type=int, help="optimiser steps (the schedule's length)")
     p.add_argument("--max-time", type=float, help="stop after this many seconds (checkpoint saved)")
     p.add_argument("--lr", type=float, help="peak learning rate")
-    p.add_argument("--min-lr", type=float, help="final learning rate (default lr/10)")
+    p.add_argument("--min-lr", type=float, help="final learning rate (default lr/20)")
     p.add_argument("--warmup-steps", type=int, help="linear warmup steps")
     p.add_argument("--schedule", help="cosine, linear, constant or inverse_sqrt")
     p.add_argument("--weight-decay", type=float, help="AdamW weight decay on matrices")
@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="qkv", description="qkv — the Transformer, complete.")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     # Each command registers its own sub-parser and sets `handler`; feature rooms add theirs here.
-    for register in (_add_train, _add_generate, _add_eval, _add_convert, _add_translate, _add_lab):
+    for register in (_add_train, _add_generate, _add_eval, _add_convert, _add_translate, _add_lab, _add_bench):
         register(sub)
     return parser
 
@@ -139,14 +139,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     model.update(dict(args.model))
     if model:
         settings["model"] = model  # merged over the default recipe's model by TrainConfig
-    if args.resume:
-        from qkv.training.run import read_run_config
-
-        if not args.out_dir:
-            raise QkvError("--resume needs --out-dir: the run directory to continue")
-        # The run's own schedule length unless --max-steps says otherwise (TrainConfig's default
-        # would silently stretch the cosine schedule of a resumed run to 2000 steps).
-        settings.setdefault("max_steps", read_run_config(Path(args.out_dir))["training"].get("max_steps"))
+    if args.resume and not args.out_dir:
+        raise QkvError("--resume needs --out-dir: the run directory to continue")
     cfg = TrainConfig(**settings)  # checked here, once, before any process is launched
     if args.nproc is not None:
         from qkv.training.distributed import launch

@@ -1,0 +1,193 @@
+"""Attention forward + backward: qkv's reference path vs its fused path vs plain torch SDPA — time and peak memory.
+
+Causal self-attention, batch 1, 8 heads of 64, fp32, at each sequence length T. Peak memory is the extra memory a
+forward + backward needs beyond its inputs (q, k, v and the output gradient):
+- on CUDA, torch.cuda.max_memory_allocated after reset_peak_memory_stats, minus the memory allocated by then;
+- on CPU, each case runs in a forked child process: ru_maxrss (peak resident set) at the end minus ru_maxrss once
+  the inputs exist. A fork, not a fresh `python` (fork + exec): Linux carries the parent's peak RSS across exec, so
+  an exec'd child could report the parent's peak instead of its own; a forked child's peak starts at its own RSS.
+The reference path materialises (T × T) scores and weights per head, so its memory grows ~16× when T grows 4×; the
+fused kernels keep it linear (~4×). The table prints mem(T) / mem(T/4) for each path; the reference path is skipped
+where its (H, T, T) fp32 weights alone would exceed --ref-cap-mib.
+
+    python benchmarks/attention.py                               # T = 128 512 2048 8192
+    python benchmarks/attention.py --seq-lens 256 1024 --repeats 3 --json attention.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from qkv.attention.sdpa import scaled_dot_product_attention
+
+HEADS, D_HEAD = 8, 64
+PATHS = ("reference", "fused", "torch")
+
+
+def _attend(path: str) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """The attention function for one path (all causal)."""
+    if path == "torch":
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    backend: Any = path  # "reference" | "fused"
+    return lambda q, k, v: scaled_dot_product_attention(q, k, v, causal=True, backend=backend)
+
+
+def _inputs(t: int, device: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """q, k, v (1, H, T, d) requiring grad, and an output gradient of the same shape."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, g = (torch.randn(1, HEADS, t, D_HEAD, generator=gen).to(device) for _ in range(4))
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), g
+
+
+def _step(fn: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor, k: Tensor, v: Tensor, g: Tensor) -> None:
+    """One forward + backward; gradients dropped afterwards so every step allocates the same."""
+    fn(q, k, v).backward(g)
+    q.grad = k.grad = v.grad = None
+
+
+def _sync(device: str) -> None:
+    """Wait for queued GPU work, so wall-clock times cover it."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _rss_bytes() -> int:
+    """Peak resident set size of this process so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def measure_case(path: str, t: int, device: str, repeats: int, threads: int) -> dict[str, float]:
+    """ms (median of `repeats` forward + backward) and peak extra memory (MiB) of one path at one T, in-process."""
+    torch.set_num_threads(threads)
+    fn = _attend(path)
+    small = _inputs(16, device)
+    _step(fn, *small)  # page in kernels and start thread pools before the baseline, so they do not count
+    del small
+    q, k, v, g = _inputs(t, device)
+    if device.startswith("cuda"):
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        _step(fn, q, k, v, g)
+        _sync(device)
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        base = _rss_bytes()
+        _step(fn, q, k, v, g)  # the first step after the baseline sets the peak; later ones reuse freed memory
+        peak = _rss_bytes() - base
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        _step(fn, q, k, v, g)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return {"ms": statistics.median(times) * 1000, "peak_mib": peak / 2**20}
+
+
+def _child(conn: Any, path: str, t: int, device: str, repeats: int, threads: int) -> None:
+    """Forked-process body: measure one case and send the result (or the error) back."""
+    try:
+        conn.send(measure_case(path, t, device, repeats, threads))
+    except BaseException as e:  # report any failure (even MemoryError) to the parent instead of dying silently
+        conn.send({"error": f"{type(e).__name__}: {e}"})
+    finally:
+        conn.close()
+
+
+def run_case(path: str, t: int, device: str, repeats: int, threads: int) -> dict[str, Any]:
+    """measure_case in a forked child on CPU (a clean peak-RSS baseline); in-process on CUDA."""
+    if device.startswith("cuda"):
+        return measure_case(path, t, device, repeats, threads)
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(child, path, t, device, repeats, threads))
+    proc.start()
+    child.close()
+    try:
+        result: dict[str, Any] = parent.recv()
+    except EOFError:  # killed without a word, e.g. by the OOM killer
+        result = {"error": "the child process died"}
+    proc.join()
+    return result
+
+
+def ref_weights_mib(t: int) -> float:
+    """Size of the reference path's (1, H, T, T) fp32 attention weights, the largest tensor it makes."""
+    return HEADS * t * t * 4 / 2**20
+
+
+def run(seq_lens: list[int], paths: list[str], device: str, repeats: int, threads: int,
+        ref_cap_mib: float) -> dict[str, Any]:  # fmt: skip
+    """Every (path, T) case; skipped reference cases say why; mem(T)/mem(T/4) ratios where T/4 was measured."""
+    results: dict[str, dict[int, dict[str, Any]]] = {p: {} for p in paths}
+    for t in seq_lens:
+        for path in paths:
+            if path == "reference" and ref_weights_mib(t) > ref_cap_mib:
+                results[path][t] = {"skipped": f"T×T weights {ref_weights_mib(t):,.0f} MiB > cap {ref_cap_mib:g}"}
+                continue
+            results[path][t] = run_case(path, t, device, repeats, threads)
+    for row in results.values():
+        for t, case in row.items():
+            lower = row.get(t // 4, {}) if t % 4 == 0 else {}
+            if "peak_mib" in case and lower.get("peak_mib", 0) > 0:
+                case["mem_ratio_vs_T/4"] = case["peak_mib"] / lower["peak_mib"]
+    return {
+        "device": device, "threads": threads, "batch": 1, "heads": HEADS, "d_head": D_HEAD, "dtype": "float32",
+        "causal": True, "memory": "cuda max_memory_allocated" if device.startswith("cuda") else "forked ru_maxrss",
+        "results": {p: {str(t): case for t, case in row.items()} for p, row in results.items()},
+    }  # fmt: skip
+
+
+def print_table(report: dict[str, Any]) -> None:
+    """One markdown row per (path, T): ms, peak MiB, ratio to T/4 and its reading (~4× linear, ~16× quadratic)."""
+    print(f"Attention forward + backward, causal, batch 1, {HEADS} heads × {D_HEAD}, fp32, {report['device']}, "
+          f"{report['threads']} thread(s); peak = extra memory beyond the inputs ({report['memory']})\n")  # fmt: skip
+    print("| path | T | ms | peak MiB | mem(T) / mem(T/4) | growth |\n|---|---:|---:|---:|---:|---|")
+    for path, row in report["results"].items():
+        for t, case in row.items():
+            if "skipped" in case or "error" in case:
+                print(f"| {path} | {int(t):,} | — | — | — | {case.get('skipped') or case['error']} |")
+                continue
+            ratio = case.get("mem_ratio_vs_T/4")
+            growth = "—" if ratio is None else "quadratic" if ratio > 8 else "linear" if ratio < 6 else "in between"
+            shown = "—" if ratio is None else f"{ratio:.1f}×"
+            print(f"| {path} | {int(t):,} | {case['ms']:.2f} | {case['peak_mib']:.1f} | {shown} | {growth} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse options, run every case, print the table, optionally write JSON."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[128, 512, 2048, 8192])
+    p.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
+    p.add_argument("--repeats", type=int, default=5, help="timed forward + backward passes per case (median)")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
+    p.add_argument("--ref-cap-mib", type=float, default=1024.0,
+                   help="skip the reference path where its T×T fp32 weights exceed this many MiB")  # fmt: skip
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json", help="also write the results to this file")
+    args = p.parse_args(argv)
+    if not sys.platform.startswith("linux") and not args.device.startswith("cuda"):
+        p.error("CPU peak memory is read from a forked child's ru_maxrss, which needs Linux")
+    report = run(args.seq_lens, args.paths, args.device, args.repeats, args.threads, args.ref_cap_mib)
+    print_table(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""Decode speed: qkv with and without the KV cache vs transformers' generate, on the same GPT-2-124M-shaped weights.
+
+A DecoderLM of GPT-2 small's shape (vocab 50257, 12 layers × 768, 12 heads, learned positions, LayerNorm, gelu_tanh,
+tied embeddings) with random weights is exported with model.save_hf and loaded by transformers' GPT2LMHeadModel, so
+both decode the very same weights in the same run. Greedy decoding of --new-tokens tokens after a random prompt of
+--prompt-len tokens, at each batch size; tokens/s = batch × new tokens / seconds, after one short warm-up call.
+Without the cache every step re-reads the whole sequence (quadratic work), so that row decodes --uncached-tokens
+tokens (default 64) to keep the run short; its tokens/s is therefore measured over a shorter sequence.
+
+    python benchmarks/decode.py                                   # batch 1 and 8, 256 new tokens
+    python benchmarks/decode.py --batch-sizes 1 --prompt-len 128 --new-tokens 128 --json decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from qkv import DecoderLM, DecoderLMConfig
+
+GPT2_SMALL: dict[str, Any] = {
+    "vocab_size": 50257, "n_layers": 12, "d_model": 768, "n_heads": 12, "max_positions": 1024,
+    "positions": "learned", "norm": "layer", "norm_placement": "pre", "activation": "gelu_tanh", "bias": True,
+    "tie_embeddings": True, "dropout": 0.0,
+}  # fmt: skip
+
+
+def _timed(fn: Callable[[], Tensor], device: torch.device) -> tuple[float, Tensor]:
+    """(seconds, result) of one call, GPU work included."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, out
+
+
+@torch.no_grad()
+def measure(cfg: DecoderLMConfig, batch_sizes: list[int], prompt_len: int, new_tokens: int, uncached_tokens: int,
+            device: torch.device) -> dict[str, Any]:  # fmt: skip
+    """tokens/s of qkv (cache on / off) and transformers (cache on) for each batch size, on shared random weights."""
+    from transformers import GPT2LMHeadModel  # lazy: a heavy import, needed only here
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the weight-loading bar would interleave with the table
+
+    torch.manual_seed(0)
+    model = DecoderLM(cfg).eval().to(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_hf(tmp)
+        hf = GPT2LMHeadModel.from_pretrained(tmp).eval().to(device)
+    rows: dict[str, Any] = {}
+    for batch in batch_sizes:
+        ids = torch.randint(0, cfg.vocab_size, (batch, prompt_len), device=device)
+        mask = torch.ones_like(ids)
+
+        def qkv(n: int, cache: bool, ids: Tensor = ids) -> Tensor:
+            """qkv greedy decoding of n tokens."""
+            return model.generate(ids, n, temperature=0.0, use_cache=cache)
+
+        def hf_generate(n: int, ids: Tensor = ids, mask: Tensor = mask) -> Tensor:
+            """transformers greedy decoding of exactly n tokens (no eos in the config, min = max)."""
+            out: Tensor = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                      do_sample=False, use_cache=True, pad_token_id=0)  # fmt: skip
+            return out
+
+        qkv(2, True), qkv(2, False), hf_generate(2)  # warm-up: first-call allocations and kernel selection
+        s_cached, out_qkv = _timed(lambda: qkv(new_tokens, True), device)
+        s_uncached, _ = _timed(lambda: qkv(uncached_tokens, False), device)
+        s_hf, out_hf = _timed(lambda: hf_generate(new_tokens), device)
+        cached, hf_tps = batch * new_tokens / s_cached, batch * new_tokens / s_hf
+        rows[str(batch)] = {
+            "qkv_cache_tokens_per_s": cached,
+            "qkv_no_cache_tokens_per_s": batch * uncached_tokens / s_uncached,
+            "transformers_tokens_per_s": hf_tps,
+            "qkv_over_transformers": cached / hf_tps,
+            "cache_speedup": cached / (batch * uncached_tokens / s_uncached),
+            # Same weights, both greedy: the tokens should agree (fp32 rounding may split near-ties late).
+            "same_tokens": bool(torch.equal(out_qkv.cpu(), out_hf.cpu())),
+        }
+    return {"config": cfg.to_dict(), "prompt_len": prompt_len, "new_tokens": new_tokens,
+            "uncached_tokens": uncached_tokens, "device": str(device), "threads": torch.get_num_threads(),
+            "params_m": sum(p.numel() for p in model.parameters()) / 1e6, "batches": rows}  # fmt: skip
+
+
+def print_table(report: dict[str, Any]) -> None:
+    """One markdown row per batch size."""
+    print(f"Greedy decode, {report['params_m']:.1f} M parameters, prompt {report['prompt_len']}, "
+          f"{report['new_tokens']} new tokens ({report['uncached_tokens']} without the cache), "
+          f"{report['device']}, {report['threads']} thread(s)\n")  # fmt: skip
+    print("| batch | qkv cache tok/s | qkv no-cache tok/s | transformers tok/s | qkv / transformers | same tokens |")
+    print("|---:|---:|---:|---:|---:|---|")
+    for batch, r in report["batches"].items():
+        print(f"| {batch} | {r['qkv_cache_tokens_per_s']:,.1f} | {r['qkv_no_cache_tokens_per_s']:,.1f} | "
+              f"{r['transformers_tokens_per_s']:,.1f} | {r['qkv_over_transformers']:.2f} | "
+              f"{r['same_tokens']} |")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse options, measure, print the table, optionally write JSON."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--uncached-tokens", type=int, default=64, help="new tokens for the no-cache row (slow)")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    # Smaller shapes for smoke tests; the defaults are GPT-2 small.
+    p.add_argument("--n-layers", type=int, default=GPT2_SMALL["n_layers"])
+    p.add_argument("--d-model", type=int, default=GPT2_SMALL["d_model"])
+    p.add_argument("--n-heads", type=int, default=GPT2_SMALL["n_heads"])
+    p.add_argument("--vocab-size", type=int, default=GPT2_SMALL["vocab_size"])
+    p.add_argument("--json", help="also write the results to this file")
+    args = p.parse_args(argv)
+    if min(args.new_tokens, args.uncached_tokens, args.prompt_len, *args.batch_sizes) < 1:
+        p.error("batch sizes, --prompt-len, --new-tokens and --uncached-tokens must be ≥ 1")
+    if args.prompt_len + max(args.new_tokens, args.uncached_tokens) > GPT2_SMALL["max_positions"]:
+        p.error(f"prompt + new tokens must fit GPT-2's {GPT2_SMALL['max_positions']} positions")
+    torch.set_num_threads(args.threads)
+    shape = {"n_layers": args.n_layers, "d_model": args.d_model, "n_heads": args.n_heads, "vocab_size": args.vocab_size}
+    cfg = DecoderLMConfig(**{**GPT2_SMALL, **shape})
+    report = measure(cfg, args.batch_sizes, args.prompt_len, args.new_tokens, args.uncached_tokens,
+                     torch.device(args.device))  # fmt: skip
+    print_table(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

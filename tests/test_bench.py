@@ -1,0 +1,107 @@
+"""Smoke tests of the benchmark suite (benchmarks/*.py and `qkv bench`), at tiny settings: each runs in seconds."""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from qkv.bench import BENCHMARKS_DIR, load_benchmark
+from qkv.cli import main as qkv_main
+from qkv.errors import QkvError
+
+pytestmark = pytest.mark.skipif(not BENCHMARKS_DIR.is_dir(), reason="needs the repository's benchmarks/ directory")
+
+
+def _json(path: Path) -> dict[str, Any]:
+    """A benchmark's JSON output."""
+    result: dict[str, Any] = json.loads(path.read_text())
+    return result
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="CPU peak memory uses a forked child's ru_maxrss")
+def test_attention_fused_memory_is_linear_and_reference_is_skipped_past_the_cap(tmp_path: Path) -> None:
+    """Fused and torch paths: mem(2048) < 8 × mem(512); the reference path runs under the cap and is skipped above."""
+    out = tmp_path / "attention.json"
+    argv = ["--seq-lens", "128", "512", "2048", "--repeats", "1", "--threads", "1", "--ref-cap-mib", "10",
+            "--device", "cpu", "--json", str(out)]  # fmt: skip
+    assert load_benchmark("attention").main(argv) == 0
+    report = _json(out)["results"]
+    assert set(report) == {"reference", "fused", "torch"}
+    assert "skipped" in report["reference"]["2048"]  # its 8 × 2048² fp32 weights are 128 MiB > 10
+    for path in ("reference", "fused", "torch"):
+        for t in ("128", "512"):
+            assert report[path][t]["ms"] > 0 and report[path][t]["peak_mib"] > 0
+    for path in ("fused", "torch"):
+        # Sizes where the linear terms dwarf allocator noise: ≈ 6 MiB at 512, ≈ 22 MiB at 2048 (ratio ≈ 4).
+        assert report[path]["2048"]["mem_ratio_vs_T/4"] < 8
+    # The reference path's T × T tensors already dominate at 512 (≈ 8 MiB each): it grows faster than fused.
+    assert report["reference"]["512"]["mem_ratio_vs_T/4"] > report["fused"]["512"]["mem_ratio_vs_T/4"]
+
+
+def test_decode_through_qkv_bench(tmp_path: Path) -> None:
+    """`qkv bench decode` with a tiny GPT-2-shaped model: qkv and transformers decode the same greedy tokens."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "decode.json"
+    code = qkv_main(["bench", "decode", "--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--vocab-size", "64",
+                     "--batch-sizes", "1", "2", "--prompt-len", "3", "--new-tokens", "4", "--uncached-tokens", "2",
+                     "--threads", "1", "--device", "cpu", "--json", str(out)])  # fmt: skip
+    assert code == 0
+    report = _json(out)
+    assert set(report["batches"]) == {"1", "2"}
+    for row in report["batches"].values():
+        assert row["qkv_cache_tokens_per_s"] > 0 and row["transformers_tokens_per_s"] > 0
+        assert row["qkv_no_cache_tokens_per_s"] > 0 and row["qkv_over_transformers"] > 0
+        assert row["same_tokens"]
+
+
+def test_time_to_target_reads_full_split_evals(tmp_path: Path) -> None:
+    """A few steps on a small text: one row per eval, training-only time below elapsed, target found."""
+    with gzip.open(Path(__file__).parents[1] / "src/qkv/data/shakespeare.txt.gz", "rt") as f:
+        (tmp_path / "tiny.txt").write_text(f.read(20_000))
+    out = tmp_path / "ttt.json"
+    argv = ["--data", str(tmp_path / "tiny.txt"), "--max-steps", "4", "--eval-interval", "2", "--target", "100",
+            "--threads", "1", "--device", "cpu", "--quiet", "--json", str(out)]  # fmt: skip
+    assert load_benchmark("time-to-target").main(argv) == 0
+    report = _json(out)
+    assert [e["step"] for e in report["evals"]] == [2, 4]
+    assert report["reached"] and report["step"] == 2
+    assert 0 < report["train_seconds_to_target"] < report["seconds_to_target"]
+    assert report["training"]["eval_tokens"] is None
+
+
+def test_throughput_runs_with_argv(tmp_path: Path) -> None:
+    """The existing throughput benchmark takes argv; its peak-FLOP probe is shrunk to keep the test short."""
+    module = load_benchmark("throughput")
+    module.peak_matmul_flops = functools.partial(module.peak_matmul_flops, n=128, repeats=2)
+    out = tmp_path / "throughput.json"
+    module.main(["--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--block-size", "16", "--batch-size", "2",
+                 "--steps", "2", "--json", str(out)])  # fmt: skip
+    report = _json(out)
+    assert report["tokens_per_s"] > 0 and report["mfu"] > 0
+
+
+def test_kv_cache_runs_with_argv(capsys: pytest.CaptureFixture[str]) -> None:
+    """The existing KV-cache benchmark takes argv and prints its JSON."""
+    load_benchmark("kv-cache").main(["--contexts", "8", "--steps", "1", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["bytes_per_token_per_layer"]) == {"MHA", "GQA", "MQA", "MLA"}
+    assert set(report["decode_tokens_per_s"]) == {"MHA", "MLA naive", "MLA absorbed"}
+
+
+def test_unknown_benchmark_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """`qkv bench nope` → exit 2 and one stderr line naming the choices."""
+    assert qkv_main(["bench", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown benchmark 'nope'" in err and "time-to-target" in err
+
+
+def test_missing_benchmarks_directory_is_a_clear_error(tmp_path: Path) -> None:
+    """An installed qkv without the repository says where it looked and why."""
+    with pytest.raises(QkvError, match="benchmarks/ directory"):
+        load_benchmark("attention", tmp_path)
