@@ -5,18 +5,22 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from qkv.attention import MultiHeadAttention
 from qkv.cli import main
+from qkv.training.checkpoint import load_safetensors
+from qkv.translation import TranslateConfig, train_translation
 from qkv.translation.batching import make_batch, source_tensor
 from qkv.translation.corpus import (
     DE_EN_COUNT,
     DE_EN_SHA256,
     TEST_SIZE,
     VAL_SIZE,
+    Splits,
     clean_side,
     load_de_en,
     pairs_to_tsv,
@@ -197,3 +201,35 @@ def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert code == 2 and "language-model option" in err and err.count("\n") == 1
     code, err = _run(capsys, "eval", str(tmp_path / "missing"))
     assert code == 2 and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+@pytest.fixture
+def tiny_corpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Train on 300 pairs and validate on 20, so a whole run takes seconds."""
+    full = split_de_en()
+    small = Splits(train=full.train[:300], val=full.val[:20], test=full.test[:20])
+    monkeypatch.setattr("qkv.translation.trainer.split_de_en", lambda: small)
+
+
+def test_resume_takes_the_same_steps(tmp_path: Path, tiny_corpus: None, capsys: pytest.CaptureFixture[str]) -> None:
+    tiny: dict[str, Any] = dict(vocab_size=300, model={"d_model": 32, "n_heads": 2, "d_ff": 64, "n_encoder_layers": 1,
+                "n_decoder_layers": 1}, batch_tokens=200, max_steps=4, eval_interval=2, device="cpu")  # fmt: skip
+    whole = train_translation(TranslateConfig(**tiny, max_time=1e4, out_dir=str(tmp_path / "a")), verbose=False)
+    cut = train_translation(TranslateConfig(**tiny, max_time=1e-3, out_dir=str(tmp_path / "b")), verbose=False)
+    assert cut.step == 1  # the time budget stopped it after one step, with a checkpoint
+    resumed = train_translation(TranslateConfig(**tiny, max_time=1e4, out_dir=str(tmp_path / "b"), resume=True))
+    assert whole.step == resumed.step == 4
+    a, b = (load_safetensors(tmp_path / d / "last.safetensors") for d in ("a", "b"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert config["model_type"] == "transformer"
+    rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 4] and all("val_bleu" in r and "val_loss" in r for r in rows)
+    assert (tmp_path / "a" / "loss.png").is_file() and (tmp_path / "a" / "model.safetensors").is_file()
+    code, err = _run(capsys, "translate", str(tmp_path / "a"), "Wie geht es dir?", "--beam", "2")
+    assert code == 0
+    code, err = _run(capsys, "generate", str(tmp_path / "a"))  # a translation run is not a language model
+    assert code == 2 and "not a language model" in err and err.count("\n") == 1

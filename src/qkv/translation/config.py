@@ -16,7 +16,7 @@ DEFAULT_MODEL: dict[str, Any] = {
     "d_ff": 512,
     "n_encoder_layers": 3,
     "n_decoder_layers": 3,
-    "dropout": 0.1,
+    "dropout": 0.0,  # a 13-minute run underfits (val loss still falling fast): regularisation only slows it
     "norm_placement": "pre",  # stable at a higher learning rate than the paper's post-norm in short runs
 }
 
@@ -30,7 +30,7 @@ class TranslateConfig:
     batch_tokens: int = 1500  # padded tokens per side per batch
     max_steps: int = 20000
     max_time: float | None = 760.0  # seconds, evaluations included; the run stops (and saves) when spent
-    lr: float = 2e-3  # high for a Transformer, but the run is short and pre-norm keeps it stable
+    lr: float = 3e-3  # high for a Transformer, but the run is short and pre-norm keeps it stable
     min_lr: float = 0.0
     warmup_steps: int = 200
     schedule: str = "inverse_sqrt"  # the paper's: linear warmup, then ∝ 1/√step

@@ -30,8 +30,8 @@ def gnmt_length_penalty(length: Tensor, alpha: float) -> Tensor:
 
 
 @contextlib.contextmanager
-def _one_cpu_thread() -> Iterator[None]:
-    """One intra-op thread on CPU while decoding.
+def one_cpu_thread() -> Iterator[None]:
+    """One intra-op thread on CPU while decoding (or training a toy model).
 
     A decoding step multiplies tiny matrices (B × d_model); splitting those across threads costs more in
     synchronisation than it saves: measured 2.4 s (one thread) against 11 s (two) for 64 sentences on a
@@ -79,7 +79,7 @@ def _strip(tokens: Tensor, sp: Specials) -> list[list[int]]:
 
 
 @torch.no_grad()
-@_one_cpu_thread()
+@one_cpu_thread()
 def greedy_decode(
     model: Transformer, src: Tensor, sp: Specials, max_len: int | None = None, use_cache: bool = True
 ) -> list[list[int]]:
@@ -100,7 +100,7 @@ def greedy_decode(
 
 
 @torch.no_grad()
-@_one_cpu_thread()
+@one_cpu_thread()
 def beam_search(
     model: Transformer,
     src: Tensor,

@@ -16,7 +16,7 @@ from qkv.config import TransformerConfig
 from qkv.models import Transformer
 from qkv.training.schedule import LRSchedule
 from qkv.translation.batching import Specials, make_batch, source_tensor
-from qkv.translation.decoding import greedy_decode
+from qkv.translation.decoding import greedy_decode, one_cpu_thread
 from qkv.translation.step import train_step
 
 Task = Literal["copy", "reverse"]
@@ -63,6 +63,7 @@ def exact_match(model: Transformer, task: Task, sources: list[list[int]]) -> flo
     return sum(out == target_of(s, task) for out, s in zip(outputs, sources, strict=True)) / len(sources)
 
 
+@one_cpu_thread()  # tiny matrices: two threads only wait on each other (see decoding.one_cpu_thread)
 def train_toy(
     task: Task, steps: int = 600, batch_size: int = 64, length: int = 10, n_symbols: int = 10,
     max_time: float = 60.0, seed: int = 0, n_test: int = 1000,
