@@ -105,6 +105,9 @@ def process_group(device: torch.device, strategy: str, timeout_s: float) -> Iter
     ctx = DistContext(dist.get_rank(), dist.get_world_size(), strategy, device)
     try:
         yield ctx
+        # Leave together: a rank that tears gloo down while a peer is still writing the last
+        # checkpoint can abort in gloo's background thread ("terminate called without an active exception").
+        dist.barrier()
     except RuntimeError as e:
         if not _is_communication_error(e):
             raise
