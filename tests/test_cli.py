@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import run_main
 
 import qkv.generation
 from qkv.cli import main
@@ -33,17 +34,6 @@ TINY = {"model": {"n_layers": 1, "d_model": 32, "n_heads": 2}, "block_size": 32,
         "eval_interval": 5, "eval_tokens": 2000, "sample_tokens": 0, "device": "cpu"}  # fmt: skip
 TINY_ARGS = ["--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--block-size", "32", "--batch-size", "4",
              "--eval-interval", "5", "--eval-tokens", "2000", "--sample-tokens", "0", "--device", "cpu"]  # fmt: skip
-
-
-def _run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    """qkv.cli.main(argv) → (exit code, stdout, stderr); argparse's SystemExit counts as a return."""
-    capsys.readouterr()
-    try:
-        code = main(list(argv))
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _run_process(*argv: str, cwd: Path) -> tuple[int, str, str]:
@@ -177,7 +167,7 @@ def test_train_rejects_bad_input_in_one_line(
     monkeypatch.chdir(tmp_path)  # where a default runs/<name> directory would appear
     paths = {**files, "char_run": char_run}
     before = sorted(p.name for p in char_run.iterdir())
-    result = _run_main(capsys, "train", *TINY_ARGS, "--max-steps", "3", *[_fill(a, paths) for a in argv])
+    result = run_main(capsys, "train", *TINY_ARGS, "--max-steps", "3", *[_fill(a, paths) for a in argv])
     _assert_error(result, "train", _fill(message, paths))
     assert sorted(p.name for p in char_run.iterdir()) == before
     assert os.listdir(files["emptydir"]) == []
@@ -188,7 +178,7 @@ def test_train_rejects_a_model_value_of_the_wrong_type(
     capsys: pytest.CaptureFixture[str], files: dict[str, Path], tmp_path: Path
 ) -> None:
     """--model dropout=abc is a one-line error naming the setting, not a TypeError traceback."""
-    result = _run_main(capsys, "train", "--data", str(files["excerpt"]), *TINY_ARGS, "--model", "dropout=abc",
+    result = run_main(capsys, "train", "--data", str(files["excerpt"]), *TINY_ARGS, "--model", "dropout=abc",
                        "--out-dir", str(tmp_path / "r"))  # fmt: skip
     _assert_error(result, "train", re.compile(r"invalid model setting in \{.*'dropout': 'abc'.*\}: .+"))
 
@@ -210,7 +200,7 @@ def test_generate_rejects_bad_options_in_one_line(
     capsys: pytest.CaptureFixture[str], char_run: Path, case: str, argv: list[str], message: str
 ) -> None:
     """Bad sampling options fail before anything (not even the prompt) reaches stdout."""
-    _assert_error(_run_main(capsys, "generate", str(char_run), "--max-new-tokens", "5", *argv), "generate", message)
+    _assert_error(run_main(capsys, "generate", str(char_run), "--max-new-tokens", "5", *argv), "generate", message)
 
 
 @pytest.mark.parametrize("prompt", ["€", "\u4e2d", "ROMEO: 5 €"])
@@ -219,7 +209,7 @@ def test_prompt_outside_the_char_vocabulary(
 ) -> None:
     """The Shakespeare char vocabulary has neither '€' nor '中': the error names the character."""
     bad = "€" if "€" in prompt else prompt
-    _assert_error(_run_main(capsys, "generate", str(shakespeare_run), "--prompt", prompt), "generate",
+    _assert_error(run_main(capsys, "generate", str(shakespeare_run), "--prompt", prompt), "generate",
                   f"1 character(s) not in the vocabulary: {bad!r}; the char vocabulary comes from the training "
                   "text, so remove them or retrain on text that contains them")  # fmt: skip
 
@@ -229,9 +219,9 @@ def test_eval_rejects_bad_input_in_one_line(
 ) -> None:
     """eval: a file instead of a run, and a zero batch size."""
     plain = files["plain"]
-    _assert_error(_run_main(capsys, "eval", str(plain)), "eval",
+    _assert_error(run_main(capsys, "eval", str(plain)), "eval",
                   f"{plain} is not a directory; pass the run directory that `qkv train` wrote")  # fmt: skip
-    _assert_error(_run_main(capsys, "eval", str(char_run), "--batch-size", "0"), "eval",
+    _assert_error(run_main(capsys, "eval", str(char_run), "--batch-size", "0"), "eval",
                   "batch size must be at least 1, got 0")  # fmt: skip
 
 
@@ -311,8 +301,8 @@ def test_load_and_generate_refuse_pickle_and_malformed_runs(
             assert message.fullmatch(str(info.value)), (name, str(info.value))
         else:
             assert str(info.value) == message, name
-        _assert_error(_run_main(capsys, "generate", str(directory), "--max-new-tokens", "3"), "generate", message)
-        _assert_error(_run_main(capsys, "eval", str(directory)), "eval", message)
+        _assert_error(run_main(capsys, "generate", str(directory), "--max-new-tokens", "3"), "generate", message)
+        _assert_error(run_main(capsys, "eval", str(directory)), "eval", message)
     # One of them from a real process: the pickle is refused before anything could unpickle it.
     name, directory, message = cases[1]
     _assert_error(_run_process("generate", str(directory), cwd=tmp_path), "generate", message)
@@ -326,7 +316,7 @@ def test_resume_refuses_a_corrupted_or_mismatched_checkpoint(
     data = bytearray((corrupted / "last.safetensors").read_bytes())
     data[-100] ^= 0xFF
     (corrupted / "last.safetensors").write_bytes(bytes(data))
-    _assert_error(_run_main(capsys, "train", "--resume", "--out-dir", str(corrupted), "--max-steps", "12"), "train",
+    _assert_error(run_main(capsys, "train", "--resume", "--out-dir", str(corrupted), "--max-steps", "12"), "train",
                   f"checkpoint in {corrupted} is inconsistent (last.safetensors does not match last_state.json; "
                   "a save was probably interrupted)")  # fmt: skip
 
@@ -338,7 +328,7 @@ def test_resume_refuses_a_corrupted_or_mismatched_checkpoint(
     state = json.loads((mismatched / "last_state.json").read_text())
     state["files"]["last.safetensors"]["sha256"] = digest  # consistent on disk, wrong for this model
     (mismatched / "last_state.json").write_text(json.dumps(state))
-    _assert_error(_run_main(capsys, "train", "--resume", "--out-dir", str(mismatched), "--max-steps", "12"), "train",
+    _assert_error(run_main(capsys, "train", "--resume", "--out-dir", str(mismatched), "--max-steps", "12"), "train",
                   re.compile(re.escape(f"{mismatched / 'last.safetensors'}: tensor ")
                              + r"\S+ has shape \((\d+, )*\d+,?\), the model expects \((\d+, )*\d+,?\)"))  # fmt: skip
     metrics = [json.loads(line)["step"] for line in (mismatched / "metrics.jsonl").read_text().splitlines()]
@@ -362,17 +352,17 @@ def test_generate_output_is_identical_without_the_cache(
 
     monkeypatch.setattr(qkv.generation, "stream", spy)
     argv = ["generate", str(char_run), "--prompt", "ROMEO:", "--max-new-tokens", "40", *sampling]
-    code, cached, err = _run_main(capsys, *argv)
+    code, cached, err = run_main(capsys, *argv)
     assert (code, err) == (0, "")
-    assert _run_main(capsys, *argv, "--no-cache") == (0, cached, "")
+    assert run_main(capsys, *argv, "--no-cache") == (0, cached, "")
     assert used == [True, False]  # the two runs really took the two paths
     assert cached.startswith("ROMEO:") and cached.endswith("\n")
     assert len(cached) == len("ROMEO:") + 40 + 1  # char tokenizer: one character per token
-    assert _run_main(capsys, *argv) == (0, cached, "")  # and the seed makes it repeatable
+    assert run_main(capsys, *argv) == (0, cached, "")  # and the seed makes it repeatable
 
 
 def test_generate_zero_new_tokens_still_echoes_the_prompt(capsys: pytest.CaptureFixture[str], char_run: Path) -> None:
-    assert _run_main(capsys, "generate", str(char_run), "--prompt", "ROMEO:", "--max-new-tokens", "0") == (
+    assert run_main(capsys, "generate", str(char_run), "--prompt", "ROMEO:", "--max-new-tokens", "0") == (
         0, "ROMEO:\n", "")  # fmt: skip
 
 
@@ -384,14 +374,14 @@ def test_bpe_run_generates_several_samples(capsys: pytest.CaptureFixture[str], b
     stored = json.loads((bpe_run / "config.json").read_text())["tokenizer"]
     assert stored == {"kind": "bpe", "vocab_size": run.tokenizer.vocab_size}
     argv = ["generate", str(bpe_run), "--prompt", "KING", "--num-samples", "3", "--max-new-tokens", "30", "--seed", "1"]
-    code, out, err = _run_main(capsys, *argv)
+    code, out, err = run_main(capsys, *argv)
     assert (code, err) == (0, "")
     headers = re.findall(r"^--- sample (\d) ---$", out, flags=re.M)
     assert headers == ["1", "2", "3"]
     samples = re.split(r"^--- sample \d ---\n", out, flags=re.M)[1:]
     assert all(s.startswith("KING") for s in samples)
     assert len(set(samples)) == 3  # three different random continuations
-    assert _run_main(capsys, *argv, "--no-cache") == (0, out, "")
+    assert run_main(capsys, *argv, "--no-cache") == (0, out, "")
 
 
 # --- 6. qkv eval = evaluate_loss over the whole validation split -------------------------------------------
@@ -405,7 +395,7 @@ def test_eval_prints_the_full_validation_loss(
     assert len(data.val_ids) == 2000
     last_row: dict[str, Any] = json.loads((char_run / "metrics.jsonl").read_text().splitlines()[-1])
     for which in ("best", "last"):
-        code, out, err = _run_main(capsys, "eval", str(char_run), "--checkpoint", which, "--batch-size", "7")
+        code, out, err = run_main(capsys, "eval", str(char_run), "--checkpoint", which, "--batch-size", "7")
         assert (code, err) == (0, "")
         match = re.fullmatch(r"val loss (\d+\.\d{4})  perplexity (\d+\.\d{3})  \(1,999 positions, block size 32, "
                              rf"{which} weights\)\n", out)  # fmt: skip

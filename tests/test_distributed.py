@@ -9,7 +9,6 @@ processes with batch 4 (the `--nproc 2` shortcut).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -25,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers import one_thread
 
 import qkv
 from qkv.config import DecoderLMConfig
@@ -43,17 +43,6 @@ ARGS = ["--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--dropout", "0"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "qkv", "train"]
 QKV_TRAIN = [sys.executable, "-m", "qkv", "train"]
 Finished = subprocess.CompletedProcess[str]
-
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """Train in-process on one thread, like the OMP_NUM_THREADS=1 subprocesses."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -108,7 +97,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def single(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
     """One process, batch 8."""
     out = tmp_path_factory.mktemp("single") / "run"
-    with _one_thread():
+    with one_thread():
         train(_config(corpus, out, 8), verbose=False)
     return out
 
@@ -175,7 +164,7 @@ def test_one_process_resumes_a_two_process_checkpoint(
     """
     run = tmp_path / "run"
     shutil.copytree(crashed[0], run)
-    with _one_thread():
+    with one_thread():
         result = train(TrainConfig(out_dir=str(run), resume=True, max_steps=STEPS, device="cpu"), verbose=False)
     assert result.step == STEPS
     assert _max_diff(run, ddp[0]) < 1e-5

@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import run_main
 
 import qkv
-from qkv.cli import main
 from qkv.config import DecoderLMConfig, TransformerConfig
 from qkv.errors import QkvError
 from qkv.lab import (
@@ -70,17 +70,6 @@ def _qkv(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     """`python -m qkv ARGV` as a real process."""
     return subprocess.run([sys.executable, "-m", "qkv", *argv], capture_output=True, text=True, cwd=cwd, env=ENV,
                           timeout=240)  # fmt: skip
-
-
-def _run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    """qkv.cli.main(argv) in-process → (exit code, stdout, stderr); argparse's SystemExit counts as a return."""
-    capsys.readouterr()
-    try:
-        code = main(list(argv))
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 # ----------------------------------------------------------------------------------------------- numbers
@@ -294,27 +283,27 @@ def _one_line_error(result: tuple[int, str, str], fragment: str) -> None:
 
 def test_bad_input_is_one_line_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     out = str(tmp_path / "out")
-    _one_line_error(_run_main(capsys, "lab", "nosuch"), "invalid choice: 'nosuch'")
-    _one_line_error(_run_main(capsys, "lab", "walkthrough", "--embeddings", str(tmp_path / "missing.csv"),
+    _one_line_error(run_main(capsys, "lab", "nosuch"), "invalid choice: 'nosuch'")
+    _one_line_error(run_main(capsys, "lab", "walkthrough", "--embeddings", str(tmp_path / "missing.csv"),
                               "--query", "bank", "--out", out), "not found")  # fmt: skip
     bad_csv = tmp_path / "bad.csv"
     bad_csv.write_text("word,finance,nature\nbank,1,1\nriver,0,lots\n")
-    _one_line_error(_run_main(capsys, "lab", "walkthrough", "--embeddings", str(bad_csv), "--query", "bank",
+    _one_line_error(run_main(capsys, "lab", "walkthrough", "--embeddings", str(bad_csv), "--query", "bank",
                               "--out", out), "line 3: 'lots' is not a number")  # fmt: skip
     ragged = tmp_path / "ragged.csv"
     ragged.write_text("bank,1,1\nriver,0\n")
-    _one_line_error(_run_main(capsys, "lab", "walkthrough", "--embeddings", str(ragged), "--query", "bank",
+    _one_line_error(run_main(capsys, "lab", "walkthrough", "--embeddings", str(ragged), "--query", "bank",
                               "--out", out), "same number")  # fmt: skip
     bad_json = tmp_path / "bad.json"
     bad_json.write_text('{"words": ["bank", "river"], "embeddings": [[1, 1], [0, 2]')
-    _one_line_error(_run_main(capsys, "lab", "walkthrough", "--embeddings", str(bad_json), "--query", "bank",
+    _one_line_error(run_main(capsys, "lab", "walkthrough", "--embeddings", str(bad_json), "--query", "bank",
                               "--out", out), "not valid JSON")  # fmt: skip
     good = tmp_path / "good.json"
     good.write_text('{"words": ["the", "river", "bank"], "embeddings": [[0, 0], [0, 2], [1, 1]], "dims": ["f", "n"]}')
-    _one_line_error(_run_main(capsys, "lab", "walkthrough", "--embeddings", str(good), "--query", "money",
+    _one_line_error(run_main(capsys, "lab", "walkthrough", "--embeddings", str(good), "--query", "money",
                               "--out", out), "'money' is not in the sentence: the river bank")  # fmt: skip
-    _one_line_error(_run_main(capsys, "lab", "walkthrough", "--query", "cash", "--out", out), "not in the sentence")
-    _one_line_error(_run_main(capsys, "lab", "attention-map", str(tmp_path), "--out", out), "not a qkv run directory")
+    _one_line_error(run_main(capsys, "lab", "walkthrough", "--query", "cash", "--out", out), "not in the sentence")
+    _one_line_error(run_main(capsys, "lab", "attention-map", str(tmp_path), "--out", out), "not a qkv run directory")
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.png"))
 
 
@@ -326,7 +315,7 @@ def test_embeddings_files_csv_and_json(tmp_path: Path, capsys: pytest.CaptureFix
     mapping = tmp_path / "e.json"
     mapping.write_text('{"the": [0, 0], "river": [0, 2], "bank": [1, 1]}')
     assert load_embeddings(mapping)[0] == words
-    code, out, _ = _run_main(capsys, "lab", "walkthrough", "--embeddings", str(csv_file), "--query", "bank",
+    code, out, _ = run_main(capsys, "lab", "walkthrough", "--embeddings", str(csv_file), "--query", "bank",
                              "--no-scale", "--out", str(tmp_path / "o"))  # fmt: skip
     assert code == 0 and "score = q·k × 1" in out and _is_png(tmp_path / "o" / "walkthrough.png")
 
@@ -373,7 +362,7 @@ def test_report_opens_in_a_real_browser(tmp_path: Path, tiny_run: Path, capsys: 
     browser = _browser()  # before the work: a missing browser fails at once, with the reason
     out = tmp_path / "report"
     # In-process: the command-line test already runs every experiment as a real process.
-    code, stdout, stderr = _run_main(capsys, "lab", "report", "--run", str(tiny_run), "--out", str(out))
+    code, stdout, stderr = run_main(capsys, "lab", "report", "--run", str(tiny_run), "--out", str(out))
     assert code == 0, stderr
     assert "wrote " in stdout and "report.html" in stdout
     page = out / "report.html"

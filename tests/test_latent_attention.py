@@ -198,9 +198,9 @@ def test_latent_down_projections_get_the_plain_init_std() -> None:
     torch.manual_seed(0)
     model = DecoderLM(DecoderLMConfig(**{**MLA, "d_model": 256, "n_layers": 8, "q_lora_rank": 64}))
     attn = model.decoder.layers[0].self_attn
-    assert abs(float(attn.kv_down.weight.std()) - 0.02) < 0.002
-    assert abs(float(attn.q_down.weight.std()) - 0.02) < 0.002
-    assert abs(float(attn.out_proj.weight.std()) - 0.02 / 4) < 0.001  # 0.02 / √(2 · 8)
+    assert abs(float(attn.kv_down.weight.detach().std()) - 0.02) < 0.002
+    assert abs(float(attn.q_down.weight.detach().std()) - 0.02) < 0.002
+    assert abs(float(attn.out_proj.weight.detach().std()) - 0.02 / 4) < 0.001  # 0.02 / √(2 · 8)
 
 
 def test_moe_block_refuses_groups_of_one_expert() -> None:

@@ -7,7 +7,6 @@ embedded corpus, so the whole file stays fast on two CPU cores.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -17,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +23,7 @@ import pytest
 import safetensors.torch
 import torch
 import torch.nn.functional as F
+from helpers import one_thread
 from safetensors import safe_open
 
 from qkv.attention import new_cache
@@ -43,17 +42,6 @@ TINY_ARGS = ["--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--dropout"
              "--batch-size", "4", "--eval-interval", "5", "--eval-tokens", "2000", "--sample-tokens", "0",
              "--device", "cpu"]  # fmt: skip
 COMPARED = ("step", "tokens_seen", "train_loss", "val_loss")
-
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """Run in-process training single-threaded, like the OMP_NUM_THREADS=1 subprocesses, so floats match bit for bit."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _qkv(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -110,7 +98,7 @@ class _References:
     def __call__(self, max_steps: int) -> Path:
         if max_steps not in self.runs:
             out = self.root / f"ref-{max_steps}"
-            with _one_thread():
+            with one_thread():
                 result = train(_tiny_config(self.corpus, out, max_steps), verbose=False)
             assert result.step == max_steps and not result.interrupted
             self.runs[max_steps] = out
@@ -180,7 +168,7 @@ def test_resuming_a_finished_run_takes_no_steps(tmp_path: Path, corpus: Path, re
     run = tmp_path / "done"
     shutil.copytree(reference(40), run)
     before = {p.name: p.read_bytes() for p in run.iterdir()}
-    with _one_thread():
+    with one_thread():
         result = train(_tiny_config(corpus, run, 40, resume=True), verbose=False)
     assert result.step == 40
     assert not result.interrupted
@@ -193,7 +181,7 @@ def test_python_api_resume_keeps_the_stored_schedule(tmp_path: Path, reference: 
     """`qkv.train(resume=True, out_dir=D)` without max_steps continues the run's own 40-step schedule."""
     run = tmp_path / "done"
     shutil.copytree(reference(40), run)
-    with _one_thread():
+    with one_thread():
         result = train(out_dir=str(run), resume=True, device="cpu", verbose=False)
     assert result.step == 40  # not stretched to TrainConfig's default of 2000 steps
     assert json.loads((run / "config.json").read_text())["training"]["max_steps"] == 40
@@ -442,7 +430,7 @@ def test_ctrl_c_saves_a_resumable_checkpoint_and_exits_130(tmp_path: Path, corpu
     assert [r["step"] for r in _rows(out)] == [50, step]
     assert "validation loss" in stdout
 
-    with _one_thread():
+    with one_thread():
         result = train(TrainConfig(out_dir=str(out), resume=True, max_steps=step + 3, device="cpu"), verbose=False)
     assert result.step == step + 3 and not result.interrupted
     assert [r["step"] for r in result.metrics][-2:] == [step, step + 3]
