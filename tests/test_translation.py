@@ -233,3 +233,19 @@ def test_resume_takes_the_same_steps(tmp_path: Path, tiny_corpus: None, capsys: 
     assert code == 0
     code, err = _run(capsys, "generate", str(tmp_path / "a"))  # a translation run is not a language model
     assert code == 2 and "not a language model" in err and err.count("\n") == 1
+
+
+def test_lab_attention_map_of_a_translation_run(tmp_path: Path, tiny_corpus: None) -> None:
+    """`qkv lab attention-map` on an encoder–decoder run: encoder self-, decoder self- and cross-attention."""
+    from qkv.lab.attention_map import attention_map
+
+    tiny: dict[str, Any] = dict(vocab_size=300, model={"d_model": 32, "n_heads": 2, "d_ff": 64, "n_encoder_layers": 1,
+                "n_decoder_layers": 2}, batch_tokens=200, max_steps=2, eval_interval=2, device="cpu")  # fmt: skip
+    train_translation(TranslateConfig(**tiny, out_dir=str(tmp_path / "run")), verbose=False)
+    result = attention_map(tmp_path / "run", "Wie geht es dir?")
+    kinds = [m.kind for m in result.maps]
+    assert kinds == ["encoder", "decoder", "decoder", "cross", "cross"]
+    cross = result.maps[-1]
+    assert cross.weights.shape[-1] == len(cross.key_tokens)  # keys: the source tokens
+    assert cross.weights.shape[-2] == len(cross.query_tokens)  # queries: the target tokens
+    assert abs(float(cross.weights.sum(-1).mean()) - 1.0) < 1e-5

@@ -171,14 +171,31 @@ def transformer_attention_maps(
 def attention_map(run_dir: str | Path, text: str = DEFAULT_TEXT, checkpoint: str = "best") -> AttentionMapResult:
     """Attention maps of the model in a `qkv train` run directory on `text`."""
     from qkv.training import load  # deferred: loading runs pulls in the tokenizers library
+    from qkv.training.run import read_run_config
 
     if not text:
         raise QkvError("--text is empty; give the text whose attention to show")
+    if read_run_config(Path(run_dir)).get("model_type") == "transformer":
+        return _translation_maps(run_dir, text, checkpoint)
     run = load(run_dir, checkpoint)
     ids = run.tokenizer.encode(text)
     if not ids:
         raise QkvError(f"the text {text!r} encodes to no tokens")
     return decoder_attention_maps(run.model, ids, _tokens(run.tokenizer, ids))
+
+
+def _translation_maps(run_dir: str | Path, text: str, checkpoint: str) -> AttentionMapResult:
+    """An encoder–decoder run: `text` is the source; the target is the model's own greedy translation."""
+    from qkv.translation.decoding import greedy_decode
+    from qkv.translation.run import load_translation
+
+    run = load_translation(run_dir, checkpoint)
+    src = run.encode_sources([text])  # (1, S)
+    tgt = [run.specials.bos, *greedy_decode(run.model, src, run.specials)[0]]  # decoder input, teacher-forced
+    src_ids = src[0].tolist()
+    return transformer_attention_maps(
+        run.model, src_ids, tgt, _tokens(run.tokenizer, src_ids), _tokens(run.tokenizer, tgt)
+    )
 
 
 def plot(result: AttentionMapResult, path: str | Path | None, index: int = 0) -> Figure:
