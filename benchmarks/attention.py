@@ -17,7 +17,6 @@ where its (H, T, T) fp32 weights alone would exceed --ref-cap-mib.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import resource
 import statistics
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from qkv.attention.sdpa import scaled_dot_product_attention
+from qkv.bench import save_report
 
 HEADS, D_HEAD = 8, 64
 PATHS = ("reference", "fused", "torch")
@@ -183,9 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("CPU peak memory is read from a forked child's ru_maxrss, which needs Linux")
     report = run(args.seq_lens, args.paths, args.device, args.repeats, args.threads, args.ref_cap_mib)
     print_table(report)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    save_report(args.json, report)
     return 0
 
 

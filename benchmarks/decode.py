@@ -14,7 +14,6 @@ tokens (default 64) to keep the run short; its tokens/s is therefore measured ov
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -25,6 +24,7 @@ import torch
 from torch import Tensor
 
 from qkv import DecoderLM, DecoderLMConfig
+from qkv.bench import save_report
 
 GPT2_SMALL: dict[str, Any] = {
     "vocab_size": 50257, "n_layers": 12, "d_model": 768, "n_heads": 12, "max_positions": 1024,
@@ -131,9 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     report = measure(cfg, args.batch_sizes, args.prompt_len, args.new_tokens, args.uncached_tokens,
                      torch.device(args.device))  # fmt: skip
     print_table(report)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    save_report(args.json, report)
     return 0
 
 

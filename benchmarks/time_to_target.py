@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import sys
 import tempfile
 import time
@@ -26,6 +25,7 @@ from typing import Any
 
 import torch
 
+from qkv.bench import save_report
 from qkv.training import TrainConfig, distributed, train
 from qkv.training import trainer as trainer_module
 from qkv.training.common import read_metrics
@@ -137,9 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                           out_dir=args.out_dir or str(Path(tmp) / "run"))  # fmt: skip
         report = run(cfg, args.target, verbose=not args.quiet)
     print_table(report)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    save_report(args.json, report)
     return 0
 
 

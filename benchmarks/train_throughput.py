@@ -12,7 +12,6 @@ non-embedding weights, including the output head) + 12·L·T·d (attention score
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import asdict, dataclass
 
@@ -20,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from qkv import DecoderLM, DecoderLMConfig
+from qkv.bench import save_report
 from qkv.training.config import DEFAULT_MODEL
 
 
@@ -110,9 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'params':>10} {'tokens/s':>10} {'ms/step':>9} {'model TFLOP/s':>14} {'peak TFLOP/s':>13} {'MFU':>6}")
     print(f"{result.params_m:>9.2f}M {result.tokens_per_s:>10,.0f} {result.ms_per_step:>9.1f} "
           f"{result.model_tflops_per_s:>14.4f} {result.peak_tflops_per_s:>13.4f} {result.mfu:>6.1%}")  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": cfg.to_dict(), "batch_size": args.batch_size, **asdict(result)}, f, indent=2)
+    save_report(args.json, {"config": cfg.to_dict(), "batch_size": args.batch_size, **asdict(result)})
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,13 @@ BENCHMARKS = {
     "time-to-target": "time_to_target.py",
 }
 BENCHMARKS_DIR = Path(__file__).resolve().parents[2] / "benchmarks"  # src/qkv/bench.py → repository root
+
+
+def save_report(path: str | None, report: Any) -> None:
+    """Write a benchmark's report as JSON when `--json PATH` was given (the scripts share this)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
 
 
 def register(sub: Any) -> None:
