@@ -7,6 +7,11 @@ both decode the very same weights in the same run. Greedy decoding of --new-toke
 Without the cache every step re-reads the whole sequence (quadratic work), so that row decodes --uncached-tokens
 tokens (default 64) to keep the run short; its tokens/s is therefore measured over a shorter sequence.
 
+At batch 1 a decode step is bound by memory, not arithmetic: every weight matrix is read once per token (GPT-2
+small: 124 M fp32 numbers, 0.5 GB). The benchmark measures that bound in the same run — one token multiplied
+by every weight matrix of the model, nothing else — and prints it beside the decoders: no fp32 decoder on this
+machine can beat it, so it tells how much of the gap to any other implementation is left to close.
+
     python benchmarks/decode.py                                   # batch 1 and 8, 256 new tokens
     python benchmarks/decode.py --batch-sizes 1 --prompt-len 128 --new-tokens 128 --json decode.json
 """
@@ -21,7 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from qkv import DecoderLM, DecoderLMConfig
 from qkv.bench import save_report
@@ -42,6 +48,19 @@ def _timed(fn: Callable[[], Tensor], device: torch.device) -> tuple[float, Tenso
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start, out
+
+
+@torch.inference_mode()
+def weight_read_bound(model: nn.Module, device: torch.device, repeats: int = 10) -> float:
+    """Tokens/s of a step that only multiplies one token by each weight matrix once (the memory-bound ceiling)."""
+    weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Linear)}  # a tied head once
+    inputs = {w.shape[1]: torch.randn(1, w.shape[1], device=device) for w in weights.values()}
+    best = float("inf")
+    for _ in range(repeats):
+        seconds, _ = _timed(lambda: torch.stack([F.linear(inputs[w.shape[1]], w).sum() for w in weights.values()]),
+                            device)  # fmt: skip
+        best = min(best, seconds)
+    return 1.0 / best
 
 
 @torch.no_grad()
@@ -87,7 +106,9 @@ def measure(cfg: DecoderLMConfig, batch_sizes: list[int], prompt_len: int, new_t
             # Same weights, both greedy: the tokens should agree (fp32 rounding may split near-ties late).
             "same_tokens": bool(torch.equal(out_qkv.cpu(), out_hf.cpu())),
         }
-    return {"config": cfg.to_dict(), "prompt_len": prompt_len, "new_tokens": new_tokens,
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"config": cfg.to_dict(), "weight_read_bound_tokens_per_s": weight_read_bound(model, device),
+            "weight_bytes": weight_bytes, "prompt_len": prompt_len, "new_tokens": new_tokens,
             "uncached_tokens": uncached_tokens, "device": str(device), "threads": torch.get_num_threads(),
             "params_m": sum(p.numel() for p in model.parameters()) / 1e6, "batches": rows}  # fmt: skip
 
@@ -96,7 +117,9 @@ def print_table(report: dict[str, Any]) -> None:
     """One markdown row per batch size."""
     print(f"Greedy decode, {report['params_m']:.1f} M parameters, prompt {report['prompt_len']}, "
           f"{report['new_tokens']} new tokens ({report['uncached_tokens']} without the cache), "
-          f"{report['device']}, {report['threads']} thread(s)\n")  # fmt: skip
+          f"{report['device']}, {report['threads']} thread(s)")  # fmt: skip
+    print(f"memory-bound ceiling at batch 1 (one token × every weight matrix, {report['weight_bytes'] / 1e9:.2f} GB): "
+          f"{report['weight_read_bound_tokens_per_s']:,.1f} tok/s\n")  # fmt: skip
     print("| batch | qkv cache tok/s | qkv no-cache tok/s | transformers tok/s | qkv / transformers | same tokens |")
     print("|---:|---:|---:|---:|---:|---|")
     for batch, r in report["batches"].items():

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from qkv import DecoderLM, DecoderLMConfig
 from qkv.bench import save_report
-from qkv.training.config import DEFAULT_MODEL
+from qkv.training.config import DEFAULT_MODEL, TrainConfig
 
 
 @dataclass
@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n-layers", type=int, default=DEFAULT_MODEL["n_layers"])
     p.add_argument("--d-model", type=int, default=DEFAULT_MODEL["d_model"])
     p.add_argument("--n-heads", type=int, default=DEFAULT_MODEL["n_heads"])
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=12)
+    p.add_argument("--block-size", type=int, default=TrainConfig().block_size)
+    p.add_argument("--batch-size", type=int, default=TrainConfig().batch_size)
     p.add_argument("--vocab-size", type=int, default=78)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--gpt", action="store_true", help="nanoGPT's block (learned positions, LayerNorm, GELU, biases)")

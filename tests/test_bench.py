@@ -54,6 +54,7 @@ def test_decode_through_qkv_bench(tmp_path: Path) -> None:
     assert code == 0
     report = _json(out)
     assert set(report["batches"]) == {"1", "2"}
+    assert report["weight_read_bound_tokens_per_s"] > 0 and report["weight_bytes"] > 0
     for row in report["batches"].values():
         assert row["qkv_cache_tokens_per_s"] > 0 and row["transformers_tokens_per_s"] > 0
         assert row["qkv_no_cache_tokens_per_s"] > 0 and row["qkv_over_transformers"] > 0
@@ -66,9 +67,13 @@ def test_time_to_target_reads_full_split_evals(tmp_path: Path) -> None:
         (tmp_path / "tiny.txt").write_text(f.read(20_000))
     out = tmp_path / "ttt.json"
     argv = ["--data", str(tmp_path / "tiny.txt"), "--max-steps", "4", "--eval-interval", "2", "--target", "100",
-            "--threads", "1", "--device", "cpu", "--quiet", "--json", str(out)]  # fmt: skip
+            "--threads", "1", "--device", "cpu", "--quiet", "--json", str(out), "--set", "batch_size=3",
+            "--set", "lr=1e-3", "--model", "n_layers=1", "--model", "positions=learned"]  # fmt: skip
     assert load_benchmark("time-to-target").main(argv) == 0
     report = _json(out)
+    assert report["training"]["batch_size"] == 3 and report["training"]["lr"] == 1e-3
+    assert report["training"]["model"]["n_layers"] == 1 and report["training"]["model"]["positions"] == "learned"
+    assert report["tokens_per_s"] > 0
     assert [e["step"] for e in report["evals"]] == [2, 4]
     assert report["reached"] and report["step"] == 2
     assert 0 < report["train_seconds_to_target"] < report["seconds_to_target"]

@@ -19,9 +19,11 @@ from typing import Any
 import pytest
 import torch
 from helpers import run_main
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import qkv.generation
-from qkv.cli import main
+from qkv.cli import _TextStream, main
 from qkv.config import DecoderLMConfig
 from qkv.data import load_shakespeare
 from qkv.errors import QkvError
@@ -359,6 +361,34 @@ def test_generate_output_is_identical_without_the_cache(
     assert cached.startswith("ROMEO:") and cached.endswith("\n")
     assert len(cached) == len("ROMEO:") + 40 + 1  # char tokenizer: one character per token
     assert run_main(capsys, *argv) == (0, cached, "")  # and the seed makes it repeatable
+
+
+_WORDS = ["▁the", "▁king", "s", "▁é", "!", "\n"]  # a SentencePiece-like vocabulary: "▁" is a leading space
+
+
+def _byte_decode(ids: list[int]) -> str:
+    """Byte-level BPE: each id is one byte; a cut-off UTF-8 character decodes to U+FFFD."""
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def _metaspace_decode(ids: list[int]) -> str:
+    """SentencePiece's decoder drops the space of the first token, so a lone token prints no space."""
+    return "".join(_WORDS[i] for i in ids).replace("▁", " ").removeprefix(" ")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(min_size=1, max_size=8), st.text(max_size=30), st.lists(st.integers(0, 5), min_size=1, max_size=30))
+def test_streamed_text_equals_the_decoded_whole(prompt: str, text: str, words: list[int]) -> None:
+    """Pieces printed token by token add up to the whole decoded continuation, for both kinds of decoder."""
+    for decode, context, tokens in [
+        (_byte_decode, list(prompt.encode()), list(text.encode())),  # multi-byte characters split over tokens
+        (_metaspace_decode, words[:1], words[1:]),
+    ]:
+        streamed = _TextStream(decode, context)
+        pieces = [streamed.push(t) for t in tokens]
+        assert all("\ufffd" not in p for p in pieces)  # never half a character on the screen
+        expected = decode(context + tokens)[len(decode(context)) :]
+        assert "".join(pieces) + streamed.end() == expected
 
 
 def test_generate_zero_new_tokens_still_echoes_the_prompt(capsys: pytest.CaptureFixture[str], char_run: Path) -> None:

@@ -141,9 +141,17 @@ def test_gqa_equals_mha_with_repeated_kv_heads(n_heads: int, n_kv_heads: int) ->
         out_m, w_m = mha(x, mask=mask, causal=True, return_weights=True)
         ctx = torch.randn(2, 3, d_model)
         cross_g, cross_m = gqa(x, context=ctx), mha(x, context=ctx)
+        # Without weights the fused path runs; GQA folds query groups onto shared K/V heads where no mask
+        # row depends on the query (padding only, or one query) and repeats K/V where one does (causal).
+        pad_g, pad_m = gqa(x, mask=mask), mha(x, mask=mask)
+        causal_g, causal_m = gqa(x, mask=mask, causal=True), mha(x, mask=mask, causal=True)
+        last = x[:, -1:]
+        last_g, last_m = gqa(last, mask=mask[..., -1:], causal=True), mha(last, mask=mask[..., -1:], causal=True)
     assert (out_g - out_m).abs().max().item() <= 1e-5
     assert (w_g - w_m).abs().max().item() <= 1e-6
-    assert (cross_g - cross_m).abs().max().item() <= 1e-5
+    for got, want in ((cross_g, cross_m), (pad_g, pad_m), (causal_g, causal_m), (last_g, last_m)):
+        assert (got - want).abs().max().item() <= 1e-5
+    assert (causal_g - out_g).abs().max().item() <= 1e-5  # fused and reference paths agree
 
 
 # --------------------------------------------------------------------------------------------

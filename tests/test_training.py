@@ -7,6 +7,7 @@ embedded corpus, so the whole file stays fast on two CPU cores.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -211,7 +212,7 @@ def test_save_that_fails_midway_keeps_a_loadable_checkpoint(tmp_path: Path, monk
     """os.replace failing at any point of a save leaves one consistent checkpoint: the old one, or the new one."""
     torch.manual_seed(0)
     model = _tiny_lm()
-    opt = make_optimizer(model, TrainConfig(), torch.device("cpu"))
+    opt = make_optimizer(model, TrainConfig())
     gen = torch.Generator().manual_seed(5)
     run = tmp_path / "run"
     _step(model, opt, gen)
@@ -243,7 +244,7 @@ def test_save_that_fails_midway_keeps_a_loadable_checkpoint(tmp_path: Path, monk
             monkeypatch.undo()
             break
         monkeypatch.undo()
-        state, extra = ckpt.load_training_state(run, make_optimizer(_tiny_lm(), TrainConfig(), torch.device("cpu")),
+        state, extra = ckpt.load_training_state(run, make_optimizer(_tiny_lm(), TrainConfig()),
                                                 {"data": torch.Generator()})  # fmt: skip
         outcomes.append(extra["step"])
         expected = old_weights if extra["step"] == 1 else new_weights
@@ -316,9 +317,13 @@ def test_run_directory_contents(reference: _References) -> None:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [5, 10, 15, 20, 25, 30, 35, 40]
     for r in rows:
-        assert set(r) == {"step", "tokens_seen", "elapsed_s", "train_loss", "val_loss", "lr"}
+        assert set(r) == {"step", "tokens_seen", "elapsed_s", "train_s", "train_loss", "val_loss", "lr"}
         assert r["tokens_seen"] == r["step"] * 4 * 32
         assert math.isfinite(r["train_loss"]) and math.isfinite(r["val_loss"]) and r["lr"] > 0
+        assert 0 < r["train_s"] < r["elapsed_s"]  # training time excludes the evaluations before this row
+    # Each row's overhead (elapsed − train) includes every earlier evaluation, so it only grows.
+    overheads = [r["elapsed_s"] - r["train_s"] for r in rows]
+    assert all(b > a for a, b in itertools.pairwise(overheads))
     assert rows[-1]["val_loss"] < rows[0]["val_loss"]  # it learned something
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     config = json.loads((run / "config.json").read_text())
@@ -442,3 +447,23 @@ def test_prepare_text_data_splits_by_characters(corpus: Path) -> None:
     data = prepare_text_data(str(corpus))
     assert (len(data.train_ids), len(data.val_ids)) == (18_000, 2_000)
     assert data.tokenizer.decode(data.val_ids.tolist()) == corpus.read_text()[18_000:]
+
+
+# --- torch.compile ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_compiled_training_matches_eager(tmp_path: Path, corpus: Path) -> None:
+    """--compile (inductor's C++ kernels on the CPU) takes the same steps as eager, to fp32 reassociation."""
+    model = {**TrainConfig().model, **MODEL, "dropout": 0.0}  # compiled dropout draws from its own RNG
+    rows = {}
+    for compile_ in (False, True):
+        out = tmp_path / f"compile-{compile_}"
+        with one_thread():
+            result = train(_tiny_config(corpus, out, 10, model=model, compile=compile_), verbose=False)
+        assert result.step == 10
+        rows[compile_] = _rows(out)
+    assert [r["step"] for r in rows[True]] == [r["step"] for r in rows[False]] == [5, 10]
+    for compiled, eager in zip(rows[True], rows[False], strict=True):
+        assert compiled["train_loss"] == pytest.approx(eager["train_loss"], abs=1e-4)
+        assert compiled["val_loss"] == pytest.approx(eager["val_loss"], abs=1e-4)

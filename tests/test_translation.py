@@ -229,8 +229,13 @@ def test_resume_takes_the_same_steps(tmp_path: Path, tiny_corpus: None, capsys: 
     rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [2, 4] and all("val_bleu" in r and "val_loss" in r for r in rows)
     assert (tmp_path / "a" / "loss.png").is_file() and (tmp_path / "a" / "model.safetensors").is_file()
-    code, err = _run(capsys, "translate", str(tmp_path / "a"), "Wie geht es dir?", "--beam", "2")
-    assert code == 0
+    capsys.readouterr()
+    assert main(["translate", str(tmp_path / "a"), "Wie geht es dir?", "--beam", "2"]) == 0
+    translation = capsys.readouterr().out
+    assert translation.strip()
+    # Options may also come between the run directory and the sentence.
+    assert main(["translate", str(tmp_path / "a"), "--beam", "2", "Wie geht es dir?"]) == 0
+    assert capsys.readouterr().out == translation
     code, err = _run(capsys, "generate", str(tmp_path / "a"))  # a translation run is not a language model
     assert code == 2 and "not a language model" in err and err.count("\n") == 1
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import ast
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -21,7 +21,24 @@ from qkv.translation.cli import register as _add_translate
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports usage errors on one line."""
+    """argparse that reports usage errors on one line and takes options before or after positionals."""
+
+    _intermixing = False
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        """Parse intermixed options and positionals, except in parsers with sub-commands."""
+        # Plain argparse stops filling optional positionals at the first option: `qkv translate RUN --beam 1
+        # "Satz"` would call "Satz" unrecognised.
+        nested = any(a.nargs in (argparse.PARSER, argparse.REMAINDER) for a in self._actions)
+        if self._intermixing or nested:
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return super().parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
 
     def error(self, message: str) -> NoReturn:
         """Print `qkv <cmd>: error: …` and exit 2."""
@@ -185,6 +202,37 @@ def _without_nproc(argv: list[str]) -> list[str]:
     return out
 
 
+class _TextStream:
+    """Text of a growing token sequence, piece by piece, decoding only the newest tokens (not O(T²))."""
+
+    def __init__(self, decode: Callable[[list[int]], str], context: list[int]) -> None:
+        self._decode = decode
+        self._tail = context[-4:]  # a few printed tokens: SentencePiece-style decoders need the left context
+        self._pending: list[int] = []  # tokens not printed yet
+
+    def push(self, token: int) -> str:
+        """Text that `token` completes ('' while a multi-byte character or a rewrite is incomplete)."""
+        self._pending.append(token)
+        return self._flush(final=False)
+
+    def end(self) -> str:
+        """Whatever is left, printed as is."""
+        return self._flush(final=True)
+
+    def _flush(self, final: bool) -> str:
+        before, after = self._decode(self._tail), self._decode(self._tail + self._pending)
+        if not after.startswith(before):  # the new tokens rewrote the tail's text
+            if not final:
+                return ""
+            piece = self._decode(self._pending)
+        elif after.endswith("\ufffd") and not final:  # wait for the rest of the character
+            return ""
+        else:
+            piece = after[len(before) :]
+        self._tail, self._pending = (self._tail + self._pending)[-4:], []
+        return piece
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     """Stream samples to stdout."""
     from qkv.generation import stream
@@ -201,7 +249,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     ids = prompt_ids[None, :].repeat(args.num_samples, 1)  # (N, T): one row per sample
     gen = torch.Generator(device=device).manual_seed(args.seed) if args.seed is not None else None
     texts = [[] for _ in range(args.num_samples)]  # type: list[list[int]]
-    printed = ""
+    streamed = _TextStream(run.tokenizer.decode, prompt_ids.tolist())  # sample 1, when it is the only one
     # stream() checks the sampling options now, before anything is printed.
     steps = stream(run.model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                    run.tokenizer.eos_id, not args.no_cache, gen)  # fmt: skip
@@ -211,14 +259,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         for row, token in enumerate(step.tolist()):
             if token != run.tokenizer.eos_id:
                 texts[row].append(token)
-        if args.num_samples == 1:  # stream the single sample as it grows
-            text = run.tokenizer.decode(texts[0])
-            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                sys.stdout.write(text[len(printed) :])
-                sys.stdout.flush()
-                printed = text
+                if args.num_samples == 1:
+                    sys.stdout.write(streamed.push(token))
+                    sys.stdout.flush()
     if args.num_samples == 1:
-        sys.stdout.write(run.tokenizer.decode(texts[0])[len(printed) :] + "\n")
+        sys.stdout.write(streamed.end() + "\n")
     else:
         for row, tokens in enumerate(texts):
             print(f"--- sample {row + 1} ---\n{args.prompt}{run.tokenizer.decode(tokens)}")

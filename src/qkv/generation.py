@@ -91,7 +91,7 @@ def stream(
     return _stream(model, ids, max_new_tokens, temperature, top_k, top_p, eos_id, use_cache, generator, limit)
 
 
-@torch.no_grad()
+@torch.inference_mode()  # like no_grad, minus autograd's version counters and view tracking
 def _stream(
     model: CausalLM,
     ids: Tensor,
@@ -106,13 +106,15 @@ def _stream(
 ) -> Iterator[Tensor]:
     """The generator behind stream (arguments already validated)."""
     finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-    cache = model.new_cache() if use_cache else None
+    # Preallocated for the whole generation: the cache never regrows (and copies) on the way.
+    capacity = min(limit, ids.shape[1] + max_new_tokens)
+    cache = model.new_cache(capacity) if use_cache else None
     cached = 0  # tokens the cache holds; counted here so any cache object the model returns will do
     seq = ids
     next_input = ids[:, -limit:]
     for _ in range(max_new_tokens):
         if cache is not None and cached + next_input.shape[1] > limit:
-            cache, cached = model.new_cache(), 0  # context full: re-read the last `limit` tokens
+            cache, cached = model.new_cache(capacity), 0  # context full: re-read the last `limit` tokens
             next_input = seq[:, -limit:]
         logits = model(next_input, cache=cache)[:, -1]  # (B, V)
         cached += next_input.shape[1]

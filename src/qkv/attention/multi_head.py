@@ -117,20 +117,34 @@ class MultiHeadAttention(nn.Module):
             v = self._split_heads(self.v_proj(context), self.n_kv_heads)
             if cache is not None:
                 cache.set(k, v)
-        if self.n_kv_heads != self.n_heads:
-            # Each K/V head serves n_heads / n_kv_heads query heads.
-            group = self.n_heads // self.n_kv_heads
-            k = k.repeat_interleave(group, dim=1)  # (B, H, T_k, D)
-            v = v.repeat_interleave(group, dim=1)
         if mask is not None and mask.dim() > 4:
             raise QkvError(f"mask must broadcast to (B, H, T_q, T_k), got {mask.dim()} dims {tuple(mask.shape)}")
+        group = self.n_heads // self.n_kv_heads  # query heads served by each K/V head
+        # Grouped queries that see the same keys under the same mask can share one K/V head without
+        # copying it: fold the group into the query axis, (B, H, T_q, D) → (B, H_kv, G·T_q, D). That holds
+        # when no mask row depends on the query (one new token while decoding, or an unmasked/padding-only
+        # mask without causality); otherwise K/V are repeated per query head.
+        fold = (
+            group > 1
+            and not return_weights
+            and (t_q == 1 or (not causal and (mask is None or mask.shape[-2] == 1)))
+            and (mask is None or mask.dim() < 3 or mask.shape[-3] == 1)
+        )
+        if fold:
+            q = q.reshape(b, self.n_kv_heads, group * t_q, self.d_head)
+        elif group > 1:
+            k = k.repeat_interleave(group, dim=1)  # (B, H, T_k, D)
+            v = v.repeat_interleave(group, dim=1)
         dropout_p = self.dropout if self.training else 0.0
         if return_weights:
             context_vecs, attn_weights = scaled_dot_product_attention(
                 q, k, v, mask=mask, causal=causal, dropout_p=dropout_p, return_weights=True
             )
         else:
-            context_vecs = scaled_dot_product_attention(q, k, v, mask=mask, causal=causal, dropout_p=dropout_p)
+            context_vecs = scaled_dot_product_attention(q, k, v, mask=mask, causal=causal and not fold,
+                                                        dropout_p=dropout_p)  # fmt: skip
+        if fold:
+            context_vecs = context_vecs.reshape(b, self.n_heads, t_q, self.d_head)  # (B, H, T_q, D)
         # Concat(head_1, …, head_h): (B, H, T_q, D) → (B, T_q, H·D), then W_O.
         out = self.out_proj(context_vecs.transpose(1, 2).reshape(b, t_q, self.n_heads * self.d_head))
         if return_weights:

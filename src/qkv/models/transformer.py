@@ -45,7 +45,7 @@ class Transformer(nn.Module):
         """An empty decoder cache (self-attention K/V grow; cross-attention K/V are set once)."""
         return new_cache(self.cfg.n_decoder_layers, capacity)
 
-    def encode(self, src: Tensor, src_mask: Tensor | None = None, return_weights: bool = False) -> Tensor:
+    def encode(self, src: Tensor, src_mask: Tensor | None = None) -> Tensor:
         """Memory (B, S, d_model) for source ids (B, S); src_mask (B, 1, 1, S) hides padding."""
         x, rope = self.src_embed(src)
         memory, _ = self.encoder(x, mask=src_mask, rope=rope)

@@ -26,7 +26,7 @@ class OptimizerSettings(Protocol):
     beta2: float
 
 
-def make_optimizer(model: nn.Module, cfg: OptimizerSettings, device: torch.device) -> torch.optim.AdamW:
+def make_optimizer(model: nn.Module, cfg: OptimizerSettings) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (not biases, norms); fused where PyTorch has it."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [

@@ -10,11 +10,12 @@ from typing import Any
 from qkv.errors import QkvError
 
 # `qkv train` options that only mean something for the language model.
-_LM_ONLY = ("data", "tokenizer", "block_size", "batch_size", "grad_accum", "min_lr", "schedule", "eval_tokens",
+_LM_ONLY = ("data", "tokenizer", "block_size", "batch_size", "grad_accum", "eval_tokens",
             "dtype", "compile", "sample_tokens")  # fmt: skip
 # `qkv train` option → TranslateConfig field.
 _SHARED = {"bpe_vocab_size": "vocab_size", "batch_tokens": "batch_tokens", "label_smoothing": "label_smoothing",
-           "max_steps": "max_steps", "max_time": "max_time", "lr": "lr", "warmup_steps": "warmup_steps",
+           "max_steps": "max_steps", "max_time": "max_time", "lr": "lr", "min_lr": "min_lr",
+           "schedule": "schedule", "warmup_steps": "warmup_steps",
            "weight_decay": "weight_decay", "grad_clip": "grad_clip", "eval_interval": "eval_interval",
            "device": "device", "seed": "seed", "out_dir": "out_dir", "resume": "resume"}  # fmt: skip
 

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from qkv.attention import LayerCache
+from qkv.attention.masks import padding_mask_from_ids
 from qkv.models import Transformer
 from qkv.translation.batching import Specials
 
@@ -84,7 +85,7 @@ def greedy_decode(
     model: Transformer, src: Tensor, sp: Specials, max_len: int | None = None, use_cache: bool = True
 ) -> list[list[int]]:
     """The most likely next token at every step, for each source row of src (B, S) (padded with sp.pad)."""
-    src_mask = (src != sp.pad)[:, None, None, :]  # (B, 1, 1, S)
+    src_mask = padding_mask_from_ids(src, sp.pad)  # (B, 1, 1, S)
     max_len = default_max_len(src, model) if max_len is None else max_len
     stepper = _Stepper(model, model.encode(src, src_mask), src_mask, use_cache, max_len + 1)
     tokens = torch.full((src.shape[0], 1), sp.bos, dtype=torch.int64, device=src.device)  # (B, 1)
@@ -119,7 +120,7 @@ def beam_search(
     the batch when every sentence is. K = 1 is exactly greedy decoding.
     """
     b, k = src.shape[0], beam_size
-    src_mask = (src != sp.pad)[:, None, None, :]  # (B, 1, 1, S)
+    src_mask = padding_mask_from_ids(src, sp.pad)  # (B, 1, 1, S)
     max_len = default_max_len(src, model) if max_len is None else max_len
     memory = model.encode(src, src_mask).repeat_interleave(k, dim=0)  # (B·K, S, d): beams of a sentence adjacent
     stepper = _Stepper(model, memory, src_mask.repeat_interleave(k, dim=0), use_cache, max_len + 1)

@@ -96,7 +96,7 @@ def train_translation(cfg: TranslateConfig, verbose: bool = True) -> TranslateRe
     """Train German → English as `cfg` says; returns the result (the run directory holds everything)."""
     cfg, run_dir, tokenizer = _setup(cfg)
     device = resolve_device(cfg.device)
-    if device.type == "cpu":
+    if device.type == "cpu" and cfg.cpu_threads is not None:
         torch.set_num_threads(cfg.cpu_threads)
     torch.manual_seed(cfg.seed)
     splits = split_de_en()
@@ -113,7 +113,7 @@ def train_translation(cfg: TranslateConfig, verbose: bool = True) -> TranslateRe
     val_batches = [b.to(device) for b in batches_of(encode_pairs(tokenizer, splits.val, model_cfg.max_positions),
                                                    cfg.batch_tokens, sp)]  # fmt: skip
     model = Transformer(model_cfg).to(device)
-    optimizer = make_optimizer(model, cfg, device)
+    optimizer = make_optimizer(model, cfg)
     schedule = LRSchedule(cfg.lr, min(cfg.warmup_steps, cfg.max_steps), cfg.max_steps, cfg.min_lr, cfg.schedule)
     data_gen = torch.Generator().manual_seed(cfg.seed)
     step, tokens_seen, elapsed_before, best_bleu = 0, 0, 0.0, -math.inf
