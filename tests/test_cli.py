@@ -363,6 +363,27 @@ def test_generate_output_is_identical_without_the_cache(
     assert run_main(capsys, *argv) == (0, cached, "")  # and the seed makes it repeatable
 
 
+def test_generate_in_bfloat16_decodes_a_bfloat16_model(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, char_run: Path
+) -> None:
+    """`qkv generate --dtype bfloat16` hands generation a bfloat16 model and prints a full sample."""
+    dtypes: list[torch.dtype] = []
+    real_stream = qkv.generation.stream
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        dtypes.extend({p.dtype for p in args[0].parameters()})
+        return real_stream(*args, **kwargs)
+
+    monkeypatch.setattr(qkv.generation, "stream", spy)
+    code, out, err = run_main(capsys, "generate", str(char_run), "--prompt", "ROMEO:", "--max-new-tokens", "20",
+                              "--temperature", "0", "--dtype", "bfloat16")  # fmt: skip
+    assert (code, err) == (0, "")
+    assert out.startswith("ROMEO:") and len(out) == len("ROMEO:") + 20 + 1
+    assert dtypes == [torch.bfloat16]
+    code, _, err = run_main(capsys, "generate", str(char_run), "--dtype", "int4")
+    assert code == 2 and "invalid choice: 'int4'" in err and "Traceback" not in err
+
+
 _WORDS = ["▁the", "▁king", "s", "▁é", "!", "\n"]  # a SentencePiece-like vocabulary: "▁" is a leading space
 
 
