@@ -3,9 +3,10 @@
 Causal self-attention, batch 1, 8 heads of 64, fp32, at each sequence length T. Peak memory is the extra memory a
 forward + backward needs beyond its inputs (q, k, v and the output gradient):
 - on CUDA, torch.cuda.max_memory_allocated after reset_peak_memory_stats, minus the memory allocated by then;
-- on CPU, each case runs in a forked child process: ru_maxrss (peak resident set) at the end minus ru_maxrss once
-  the inputs exist. A fork, not a fresh `python` (fork + exec): Linux carries the parent's peak RSS across exec, so
-  an exec'd child could report the parent's peak instead of its own; a forked child's peak starts at its own RSS.
+- on CPU, each case runs in a forked child process: the kernel's peak resident set (VmHWM) after the step minus the
+  resident set once the inputs exist. Before that baseline the child hands freed heap pages back to the OS
+  (malloc_trim) and restarts the peak mark at the current size (/proc/self/clear_refs): otherwise the step could
+  reuse pages the parent had freed but kept resident, and its memory would not show.
 The reference path materialises (T × T) scores and weights per head, so its memory grows ~16× when T grows 4×; the
 fused kernels keep it linear (~4×). The table prints mem(T) / mem(T/4) for each path; the reference path is skipped
 where its (H, T, T) fp32 weights alone would exceed --ref-cap-mib.
@@ -17,12 +18,13 @@ where its (H, T, T) fp32 weights alone would exceed --ref-cap-mib.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import multiprocessing
-import resource
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -63,9 +65,21 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _rss_bytes() -> int:
-    """Peak resident set size of this process so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def _status_bytes(field: str) -> int:
+    """A memory field of /proc/self/status (VmRSS, VmHWM), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024  # reported in kB
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak_rss() -> int:
+    """Return freed heap to the OS, restart the peak-RSS mark at the current RSS, and return that RSS (bytes)."""
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "malloc_trim"):  # glibc
+        libc.malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")  # "5" resets VmHWM (Linux ≥ 4.0)
+    return _status_bytes("VmRSS")
 
 
 def measure_case(path: str, t: int, device: str, repeats: int, threads: int) -> dict[str, float]:
@@ -84,9 +98,9 @@ def measure_case(path: str, t: int, device: str, repeats: int, threads: int) -> 
         _sync(device)
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        base = _rss_bytes()
+        base = _reset_peak_rss()
         _step(fn, q, k, v, g)  # the first step after the baseline sets the peak; later ones reuse freed memory
-        peak = _rss_bytes() - base
+        peak = _status_bytes("VmHWM") - base
     times = []
     for _ in range(repeats):
         _sync(device)
@@ -146,7 +160,7 @@ def run(seq_lens: list[int], paths: list[str], device: str, repeats: int, thread
                 case["mem_ratio_vs_T/4"] = case["peak_mib"] / lower["peak_mib"]
     return {
         "device": device, "threads": threads, "batch": 1, "heads": HEADS, "d_head": D_HEAD, "dtype": "float32",
-        "causal": True, "memory": "cuda max_memory_allocated" if device.startswith("cuda") else "forked ru_maxrss",
+        "causal": True, "memory": "cuda max_memory_allocated" if device.startswith("cuda") else "forked VmHWM",
         "results": {p: {str(t): case for t, case in row.items()} for p, row in results.items()},
     }  # fmt: skip
 
@@ -180,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
     if not sys.platform.startswith("linux") and not args.device.startswith("cuda"):
-        p.error("CPU peak memory is read from a forked child's ru_maxrss, which needs Linux")
+        p.error("CPU peak memory is read from a forked child's /proc/self/status, which needs Linux")
     report = run(args.seq_lens, args.paths, args.device, args.repeats, args.threads, args.ref_cap_mib)
     print_table(report)
     save_report(args.json, report)

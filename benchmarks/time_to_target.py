@@ -16,7 +16,6 @@ the whole command (`time qkv train`) for that.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 
 from qkv.bench import save_report
+from qkv.cli import key_value
 from qkv.training import TrainConfig, train
 from qkv.training.common import read_metrics
 from qkv.training.config import DEFAULT_MODEL
@@ -48,25 +48,6 @@ def run(cfg: TrainConfig, target: float, verbose: bool) -> dict[str, Any]:
         "device": str(resolve_device(cfg.device)), "threads": torch.get_num_threads(),
         "training": cfg.to_dict(), "evals": evals,
     }  # fmt: skip
-
-
-def _value(text: str) -> Any:
-    """A --set/--model value: JSON where it parses (numbers, true/false, null), else the string."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-def _pairs(items: list[str], flag: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """KEY=VALUE strings as a dict."""
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            parser.error(f"{flag} takes KEY=VALUE, got {item!r}")
-        out[key] = _value(value)
-    return out
 
 
 def print_table(report: dict[str, Any]) -> None:
@@ -97,19 +78,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     p.add_argument("--seed", type=int, help="random seed (default: the recipe's)")
     p.add_argument("--out-dir", help="keep the run here (default: a temporary directory, deleted)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a TrainConfig field")
-    p.add_argument("--model", action="append", default=[], metavar="KEY=VALUE", help="a model config field")
+    p.add_argument("--set", action="append", type=key_value, default=[], metavar="KEY=VALUE",
+                   help="a TrainConfig field, as `qkv train --model` reads values (3, 0.1, True, text)")  # fmt: skip
+    p.add_argument("--model", action="append", type=key_value, default=[], metavar="KEY=VALUE",
+                   help="a model config field")  # fmt: skip
     p.add_argument("--quiet", action="store_true", help="no training progress output")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     given = {"max_steps": args.max_steps, "data": args.data, "seed": args.seed, "device": args.device}
+    settings = {k: v for k, v in given.items() if v is not None}
+    fixed = ("eval_interval", "eval_tokens", "sample_tokens", "out_dir", "model")  # what the benchmark sets itself
+    for key, value in args.set:
+        if key in fixed:
+            p.error(f"--set {key}=… is not allowed: the benchmark sets {key} itself (see --help)")
+        settings[key] = value
     with tempfile.TemporaryDirectory() as tmp:
-        settings = {**{k: v for k, v in given.items() if v is not None}, **_pairs(args.set, "--set", p)}
-        model = {**DEFAULT_MODEL, **_pairs(args.model, "--model", p)}
-        cfg = TrainConfig(**settings, model=model, eval_interval=args.eval_interval, eval_tokens=None,
-                          sample_tokens=0, out_dir=args.out_dir or str(Path(tmp) / "run"))  # fmt: skip
+        out_dir = args.out_dir or str(Path(tmp) / "run")
+        try:
+            cfg = TrainConfig(**settings, model={**DEFAULT_MODEL, **dict(args.model)}, eval_interval=args.eval_interval,
+                              eval_tokens=None, sample_tokens=0, out_dir=out_dir)  # fmt: skip
+        except TypeError as e:  # an unknown --set key
+            p.error(str(e))
         report = run(cfg, args.target, verbose=not args.quiet)
     print_table(report)
     save_report(args.json, report)

@@ -24,7 +24,7 @@ def _json(path: Path) -> dict[str, Any]:
     return result
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="CPU peak memory uses a forked child's ru_maxrss")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="CPU peak memory reads /proc/self/status")
 def test_attention_fused_memory_is_linear_and_reference_is_skipped_past_the_cap(tmp_path: Path) -> None:
     """Fused and torch paths: mem(2048) < 8 × mem(512); the reference path runs under the cap and is skipped above."""
     out = tmp_path / "attention.json"
@@ -58,7 +58,7 @@ def test_decode_through_qkv_bench(tmp_path: Path) -> None:
     for key, row in report["rows"].items():
         assert row["qkv_cache_tokens_per_s"] > 0 and row["transformers_tokens_per_s"] > 0
         assert row["qkv_over_transformers"] > 0
-        if key.startswith("float32"):  # the no-cache row runs once, in the first dtype
+        if key.startswith("float32"):  # the no-cache row runs once, in float32
             assert row["qkv_no_cache_tokens_per_s"] > 0 and row["same_tokens"]
         else:
             assert "qkv_no_cache_tokens_per_s" not in row

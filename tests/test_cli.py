@@ -398,7 +398,11 @@ def _metaspace_decode(ids: list[int]) -> str:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.text(min_size=1, max_size=8), st.text(max_size=30), st.lists(st.integers(0, 5), min_size=1, max_size=30))
+@given(
+    st.text(st.characters(blacklist_characters="\ufffd"), min_size=1, max_size=8),  # U+FFFD would be a false alarm
+    st.text(st.characters(blacklist_characters="\ufffd"), max_size=30),
+    st.lists(st.integers(0, 5), min_size=1, max_size=30),
+)
 def test_streamed_text_equals_the_decoded_whole(prompt: str, text: str, words: list[int]) -> None:
     """Pieces printed token by token add up to the whole decoded continuation, for both kinds of decoder."""
     for decode, context, tokens in [
@@ -410,6 +414,19 @@ def test_streamed_text_equals_the_decoded_whole(prompt: str, text: str, words: l
         assert all("\ufffd" not in p for p in pieces)  # never half a character on the screen
         expected = decode(context + tokens)[len(decode(context)) :]
         assert "".join(pieces) + streamed.end() == expected
+
+
+def test_streaming_goes_on_after_a_decoder_rewrites_printed_text() -> None:
+    """A decoder that cleans up spaces (" '" → "'") rewrites text already on screen: the stream keeps printing."""
+    pieces_of = ["it", " ", "'", "s", " king", "!"]
+
+    def decode(ids: list[int]) -> str:
+        return "".join(pieces_of[i] for i in ids).replace(" '", "'")
+
+    streamed = _TextStream(decode, [0])
+    pieces = [streamed.push(t) for t in (1, 2, 3, 4, 5)]
+    assert pieces == [" ", "'", "s", " king", "!"]  # the rewrite cannot take back the space; nothing stalls
+    assert streamed.end() == ""
 
 
 def test_generate_zero_new_tokens_still_echoes_the_prompt(capsys: pytest.CaptureFixture[str], char_run: Path) -> None:

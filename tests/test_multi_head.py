@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from qkv import MultiHeadAttention, QkvError
 from qkv.attention import (
+    KVCache,
     causal_mask,
     padding_mask_from_lengths,
     sliding_window_mask,
@@ -145,13 +146,18 @@ def test_gqa_equals_mha_with_repeated_kv_heads(n_heads: int, n_kv_heads: int) ->
         # row depends on the query (padding only, or one query) and repeats K/V where one does (causal).
         pad_g, pad_m = gqa(x, mask=mask), mha(x, mask=mask)
         causal_g, causal_m = gqa(x, mask=mask, causal=True), mha(x, mask=mask, causal=True)
-        last = x[:, -1:]
-        last_g, last_m = gqa(last, mask=mask[..., -1:], causal=True), mha(last, mask=mask[..., -1:], causal=True)
+        # A decode step: one query against a cache of the 4 earlier tokens' K/V (the fold's main use).
+        cache_g, cache_m = KVCache(), KVCache()
+        gqa(x[:, :-1], mask=mask[..., :-1], causal=True, cache=cache_g)
+        mha(x[:, :-1], mask=mask[..., :-1], causal=True, cache=cache_m)
+        last_g = gqa(x[:, -1:], mask=mask, causal=True, cache=cache_g)
+        last_m = mha(x[:, -1:], mask=mask, causal=True, cache=cache_m)
     assert (out_g - out_m).abs().max().item() <= 1e-5
     assert (w_g - w_m).abs().max().item() <= 1e-6
     for got, want in ((cross_g, cross_m), (pad_g, pad_m), (causal_g, causal_m), (last_g, last_m)):
         assert (got - want).abs().max().item() <= 1e-5
     assert (causal_g - out_g).abs().max().item() <= 1e-5  # fused and reference paths agree
+    assert (last_g - causal_g[:, -1:]).abs().max().item() <= 1e-5  # the cached step equals the full forward's row
 
 
 # --------------------------------------------------------------------------------------------

@@ -162,6 +162,10 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_metrics(
     expected = _rows(reference(max_steps))
     assert [r["step"] for r in expected] == list(range(5, max_steps + 1, 5))
     assert _rows(killed) == expected  # exact float equality, row by row
+    # Training time continues across the resume (it does not restart at 0) and never includes evaluations.
+    raw = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert all(b["train_s"] > a["train_s"] for a, b in itertools.pairwise(raw))
+    assert all(0 < r["train_s"] < r["elapsed_s"] for r in raw)
 
 
 def test_resuming_a_finished_run_takes_no_steps(tmp_path: Path, corpus: Path, reference: _References) -> None:

@@ -46,7 +46,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _model_option(text: str) -> tuple[str, Any]:
+def key_value(text: str) -> tuple[str, Any]:
     """Parse KEY=VALUE, VALUE as a Python literal when it is one (3, 0.1, True), else a string."""
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
@@ -73,7 +73,7 @@ def _add_train(sub: Any) -> None:
     p.add_argument("--d-model", type=int, help="model width")
     p.add_argument("--n-heads", type=int, help="attention heads")
     p.add_argument("--dropout", type=float, help="dropout probability")
-    p.add_argument("--model", action="append", type=_model_option, default=[], metavar="KEY=VALUE",
+    p.add_argument("--model", action="append", type=key_value, default=[], metavar="KEY=VALUE",
                    help="any DecoderLMConfig field, e.g. --model positions=rotary --model norm=rms")  # fmt: skip
     p.add_argument("--block-size", type=int, help="context length in tokens")
     p.add_argument("--batch-size", type=int, help="sequences per micro-batch")
@@ -81,7 +81,7 @@ def _add_train(sub: Any) -> None:
     p.add_argument("--max-steps", type=int, help="optimiser steps (the schedule's length)")
     p.add_argument("--max-time", type=float, help="stop after this many seconds (checkpoint saved)")
     p.add_argument("--lr", type=float, help="peak learning rate")
-    p.add_argument("--min-lr", type=float, help="final learning rate (default lr/20)")
+    p.add_argument("--min-lr", type=float, help="final learning rate (default: lr/20; translate: 0)")
     p.add_argument("--warmup-steps", type=int, help="linear warmup steps")
     p.add_argument("--schedule", help="cosine, linear, constant or inverse_sqrt")
     p.add_argument("--weight-decay", type=float, help="AdamW weight decay on matrices")
@@ -224,14 +224,14 @@ class _TextStream:
 
     def _flush(self, final: bool) -> str:
         before, after = self._decode(self._tail), self._decode(self._tail + self._pending)
-        if not after.startswith(before):  # the new tokens rewrote the tail's text
-            if not final:
-                return ""
-            piece = self._decode(self._pending)
-        elif after.endswith("\ufffd") and not final:  # wait for the rest of the character
+        if after.endswith("\ufffd") and not final:  # wait for the rest of the character
             return ""
-        else:
-            piece = after[len(before) :]
+        # A decoder that rewrites text it already printed (e.g. cleaning up spaces) cannot be undone on a
+        # terminal: print what differs from the common prefix and go on.
+        common = next(
+            (i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b), min(len(before), len(after))
+        )
+        piece = after[common:]
         self._tail, self._pending = (self._tail + self._pending)[-4:], []
         return piece
 

@@ -117,7 +117,7 @@ class MultiHeadAttention(nn.Module):
             v = self._split_heads(self.v_proj(context), self.n_kv_heads)
             if cache is not None:
                 cache.set(k, v)
-        if mask is not None and mask.dim() > 4:
+        if mask is not None and not 2 <= mask.dim() <= 4:
             raise QkvError(f"mask must broadcast to (B, H, T_q, T_k), got {mask.dim()} dims {tuple(mask.shape)}")
         group = self.n_heads // self.n_kv_heads  # query heads served by each K/V head
         # Grouped queries that see the same keys under the same mask can share one K/V head without

@@ -10,7 +10,7 @@ from qkv.errors import QkvError
 from qkv.training.schedule import SCHEDULE_KINDS
 
 # Sized for a 2-core CPU (measured there): 3 + 3 layers × 128 wide, 1.9 M parameters with the shared
-# 4,000-token vocabulary; a 6.5 M model (d_model 256) took 3.8 s per step there, too slow for 13 minutes.
+# 4,000-token vocabulary; a 6.5 M model (d_model 256) took 3.8 s per step there, too slow for a ≈ 12-minute run.
 DEFAULT_MODEL: dict[str, Any] = {
     "d_model": 128,
     "n_heads": 4,
