@@ -161,7 +161,7 @@ def _train(
         distributed.load_full_model_state(train_model, state, ctx)
         step, tokens_seen = extra["step"], extra["tokens_seen"]
         elapsed_before, best_val = extra["elapsed_s"], extra["best_val_loss"]
-        overhead_s = extra.get("overhead_s", 0.0)
+        overhead_s = elapsed_before - extra.get("train_s", elapsed_before)  # checkpoints before train_s: none
         # A resumed run keeps its global batch whatever the process count, so it takes the same steps.
         global_batch = extra.get("global_batch_size", cfg.batch_size)
     elif ctx.is_main:
@@ -217,9 +217,8 @@ def _train(
         _write_metrics(run_dir, metrics)
         if improved:
             atomic_save_safetensors(run_dir / BEST_FILE, model_state)
-        now = elapsed()
-        extra = {"step": step, "tokens_seen": tokens_seen, "elapsed_s": now, "best_val_loss": best_val,
-                 "global_batch_size": global_batch, "overhead_s": now - train_s}  # fmt: skip
+        extra = {"step": step, "tokens_seen": tokens_seen, "elapsed_s": elapsed(), "train_s": train_s,
+                 "best_val_loss": best_val, "global_batch_size": global_batch}  # fmt: skip
         save_training_state(run_dir, model_state=model_state, optimizer=optimizer_state, extra=extra,
                             generators={"data": data_gen})  # fmt: skip
         plot_losses(metrics, run_dir / "loss.png", title=f"qkv train — {run_dir.name}")
