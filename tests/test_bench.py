@@ -102,6 +102,16 @@ def test_kv_cache_runs_with_argv(capsys: pytest.CaptureFixture[str]) -> None:
     assert set(report["decode_tokens_per_s"]) == {"MHA", "MLA naive", "MLA absorbed"}
 
 
+def test_dropout_benchmark_reports_every_case(tmp_path: Path) -> None:
+    """`qkv bench dropout` at tiny sizes: positive times for the kernels and for the three training steps."""
+    out = tmp_path / "dropout.json"
+    argv = ["--rows", "64", "--width", "32", "--steps", "1", "--repeats", "1", "--json", str(out)]
+    assert load_benchmark("dropout").main(argv) == 0
+    report = _json(out)
+    for key in ("matmul_ms", "torch_ms", "qkv_ms", "step_torch_ms", "step_qkv_ms", "step_none_ms"):
+        assert report[key] > 0
+
+
 def test_unknown_benchmark_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
     """`qkv bench nope` → exit 2 and one stderr line naming the choices."""
     assert qkv_main(["bench", "nope"]) == 2

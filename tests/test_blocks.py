@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from qkv import BlockConfig, MultiHeadAttention, QkvError
 from qkv.attention import padding_mask_from_lengths
 from qkv.blocks import Decoder, DecoderLayer, Encoder, EncoderLayer, FeedForward, ResidualNorm
+from qkv.blocks.dropout import Dropout, dropout
 from qkv.norms import LayerNorm
 
 # --------------------------------------------------------------------------------------------
@@ -68,6 +69,66 @@ def test_feed_forward_dropout_only_in_training() -> None:
     assert torch.equal(ffn(x), ffn(x))
     ffn.train()
     assert not torch.equal(ffn(x), ffn(x))
+
+
+# --------------------------------------------------------------------------------------------
+# Dropout (four masks per 64-bit random draw on the CPU)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.5, 0.9])
+def test_dropout_keep_rate_per_lane_and_expected_value(p: float) -> None:
+    """Each of the four 16-bit lanes of a draw keeps 1 − p of its elements (within 5σ); E[out] = x."""
+    torch.manual_seed(0)
+    n = 1 << 20
+    out = dropout(torch.ones(n), p)
+    kept = out != 0
+    q = 1 - round(p * 65536) / 65536  # the exact keep probability
+    for lane in range(4):  # elements 4i + lane come from the same 16 bits of every draw
+        rate = kept[lane::4].double().mean().item()
+        assert abs(rate - q) <= 5 * (q * (1 - q) / (n / 4)) ** 0.5
+    assert torch.allclose(out[kept], torch.full_like(out[kept], 1 / q))  # survivors scaled by 1 / q
+    assert abs(out.double().mean().item() - 1) <= 5 * ((1 - q) / q / n) ** 0.5
+
+
+def test_dropout_lanes_are_independent() -> None:
+    """Neighbours (same draw) and elements four apart (next draw) are kept together with probability q²."""
+    torch.manual_seed(1)
+    n, q = 1 << 20, 0.5
+    kept = dropout(torch.ones(n), 1 - q) != 0
+    for a, b in [(kept[0::4], kept[1::4]), (kept[1::4], kept[3::4]), (kept[:-4], kept[4:])]:
+        both = (a & b).double().mean().item()
+        assert abs(both - q * q) <= 5 * (q * q * (1 - q * q) / a.numel()) ** 0.5
+
+
+def test_dropout_gradient_uses_the_forward_mask() -> None:
+    """d out / d x is the forward pass's mask times 1 / q: a dropped element passes no gradient."""
+    torch.manual_seed(2)
+    x = torch.randn(3, 5, 7, requires_grad=True)  # 105 elements: not a multiple of four
+    out = dropout(x, 0.4)
+    out.backward(torch.ones_like(out))
+    q = 1 - round(0.4 * 65536) / 65536
+    kept = out != 0
+    assert x.grad is not None
+    assert torch.allclose(x.grad, kept.float() / q, rtol=1e-6, atol=0)
+    assert torch.allclose(out, x.detach() * kept / q)
+
+
+def test_dropout_is_the_identity_in_eval_mode_and_seeded_in_training() -> None:
+    """Eval mode and p = 0 return x itself; the same seed gives the same mask; bad p is refused."""
+    x = torch.randn(64, 16)
+    layer = Dropout(0.3)
+    assert layer.eval()(x) is x
+    assert dropout(x, 0.0) is x
+    layer.train()
+    torch.manual_seed(3)
+    first = layer(x)
+    torch.manual_seed(3)
+    assert torch.equal(layer(x), first)
+    assert not torch.equal(layer(x), first)
+    for bad in (-0.1, 1.0):
+        with pytest.raises(QkvError, match=r"dropout must be in \[0, 1\)"):
+            Dropout(bad)
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from qkv.errors import QkvError
 BENCHMARKS = {
     "attention": "attention.py",
     "decode": "decode.py",
+    "dropout": "dropout.py",
     "throughput": "train_throughput.py",
     "kv-cache": "kv_cache.py",
     "time-to-target": "time_to_target.py",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qkv.blocks.dropout import Dropout
 from qkv.errors import QkvError
 
 
@@ -26,7 +27,7 @@ class FeedForward(nn.Module):
         self.up = nn.Linear(d_model, d_ff, bias=bias)  # W_1
         self.gate = nn.Linear(d_model, d_ff, bias=bias) if activation == "swiglu" else None
         self.down = nn.Linear(d_ff, d_model, bias=bias)  # W_2
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         """(..., d_model) → (..., d_model)."""

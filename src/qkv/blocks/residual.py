@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from qkv.blocks.dropout import Dropout
 from qkv.config import BlockConfig
 from qkv.norms import make_norm
 
@@ -22,7 +23,7 @@ class ResidualNorm(nn.Module):
         super().__init__()
         self.pre_norm = cfg.norm_placement == "pre"
         self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, bias=cfg.bias)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def before(self, x: Tensor) -> Tensor:
         """The sublayer's input: Norm(x) for pre-norm, x itself for post-norm."""

@@ -11,6 +11,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from qkv.blocks.dropout import Dropout
 from qkv.config import EncoderConfig, ModelConfig
 from qkv.errors import QkvError
 from qkv.norms import make_norm
@@ -43,7 +44,7 @@ class Embeddings(nn.Module):
             self.token_types = nn.Embedding(cfg.type_vocab_size, cfg.d_model)
         if cfg.embedding_norm:  # BERT and BART normalise the summed embeddings
             self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, bias=cfg.bias)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def forward(self, ids: Tensor, start: int = 0, token_type_ids: Tensor | None = None) -> tuple[Tensor, Rope]:
         """Embed ids at positions start .. start + T − 1."""
