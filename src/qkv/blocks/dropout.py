@@ -46,10 +46,15 @@ class _Masked(torch.autograd.Function):
         return torch.where(keep, grad * ctx.scale, 0.0), None, None  # type: ignore[attr-defined]
 
 
-def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
-    """Inverted dropout; on CPU with the cheap 15-bit masks, elsewhere PyTorch's own kernel."""
+def _check_p(p: float) -> None:
+    """Refuse a drop probability outside [0, 1)."""
     if not 0.0 <= p < 1.0:
         raise QkvError(f"dropout must be in [0, 1), got {p}")
+
+
+def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
+    """Inverted dropout; on CPU with the cheap 16-bit masks, elsewhere PyTorch's own kernel."""
+    _check_p(p)
     if not training or p == 0.0:
         return x
     if x.device.type != "cpu":
@@ -62,8 +67,7 @@ class Dropout(nn.Module):
 
     def __init__(self, p: float = 0.5) -> None:
         super().__init__()
-        if not 0.0 <= p < 1.0:
-            raise QkvError(f"dropout must be in [0, 1), got {p}")
+        _check_p(p)
         self.p = p
 
     def forward(self, x: Tensor) -> Tensor:
