@@ -318,6 +318,19 @@ def test_config_defaults_and_round_trip() -> None:
     assert isinstance(mc, ModelConfig) and mc.vocab_size == 12 and mc.scale_embeddings and mc.d_model == tr.d_model
 
 
+def test_attention_dropout_is_its_own_setting() -> None:
+    """attention_dropout reaches every attention module; None means `dropout`, as before the field existed."""
+    for attention_dropout, expected in ((None, 0.1), (0.0, 0.0), (0.25, 0.25)):
+        cfg = TransformerConfig(src_vocab_size=10, tgt_vocab_size=10, d_model=16, n_heads=2, n_encoder_layers=1,
+                                n_decoder_layers=1, dropout=0.1, attention_dropout=attention_dropout)  # fmt: skip
+        model = Transformer(cfg)
+        layer = model.decoder.layers[0]
+        assert [layer.self_attn.dropout, layer.cross_attn.dropout] == [expected, expected]  # type: ignore[union-attr]
+        assert model.encoder.layers[0].self_attn.dropout == expected
+        assert layer.ffn_residual.dropout.p == 0.1  # residual dropout keeps `dropout`
+        assert TransformerConfig.from_dict(cfg.to_dict()) == cfg
+
+
 @pytest.mark.parametrize(
     "make,match",
     [
@@ -331,6 +344,10 @@ def test_config_defaults_and_round_trip() -> None:
         (lambda: DecoderLMConfig.from_dict({"vocab_size": 10, "positions": "alibi"}), r"unknown positions 'alibi'"),
         (lambda: DecoderLMConfig(vocab_size=10, dropout=-0.1), r"dropout must be in \[0, 1\), got -0.1"),
         (lambda: DecoderLMConfig(vocab_size=10, dropout=1.0), r"dropout must be in \[0, 1\)"),
+        (
+            lambda: DecoderLMConfig(vocab_size=10, attention_dropout=1.5),
+            r"attention_dropout must be in \[0, 1\), got 1.5",
+        ),
         (lambda: DecoderLMConfig(vocab_size=0), r"vocab_size must be a positive integer, got 0"),
         (lambda: DecoderLMConfig(vocab_size=-5), r"vocab_size must be a positive integer, got -5"),
         (lambda: DecoderLMConfig(vocab_size=10, n_layers=0), r"n_layers must be a positive integer"),

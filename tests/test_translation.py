@@ -28,7 +28,7 @@ from qkv.translation.corpus import (
     split_de_en,
     tsv_sha256,
 )
-from qkv.translation.decoding import beam_search, greedy_decode
+from qkv.translation.decoding import beam_search, gnmt_coverage_penalty, gnmt_length_penalty, greedy_decode
 from qkv.translation.step import label_smoothed_loss
 from qkv.translation.toy import SPECIALS, ToyResult, random_sequences, toy_model, train_toy
 
@@ -125,22 +125,74 @@ def test_beam_of_one_is_greedy(copy_run: ToyResult) -> None:
     assert beam_search(untrained, src, SP, beam_size=1, max_len=12) == greedy_decode(untrained, src, SP, max_len=12)
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.5])
 @pytest.mark.parametrize("which", ["trained", "untrained"])
-def test_batched_beam_equals_one_by_one(copy_run: ToyResult, which: str) -> None:
+def test_batched_beam_equals_one_by_one(copy_run: ToyResult, which: str, beta: float) -> None:
     model = copy_run.model if which == "trained" else toy_model().eval()
     src = _mixed_sources()
-    batched = beam_search(model, src, SP, beam_size=4, max_len=20)
-    alone = [beam_search(model, row[row != SP.pad][None], SP, beam_size=4, max_len=20)[0] for row in src]
+    batched = beam_search(model, src, SP, beam_size=4, max_len=20, coverage_penalty=beta)
+    alone = [beam_search(model, row[row != SP.pad][None], SP, 4, max_len=20, coverage_penalty=beta)[0] for row in src]
     assert batched == alone
 
 
-def test_cached_and_uncached_decoding_agree(copy_run: ToyResult) -> None:
+@pytest.mark.parametrize("beta", [0.0, 0.5])
+def test_cached_and_uncached_decoding_agree(copy_run: ToyResult, beta: float) -> None:
     untrained = toy_model().eval()
     for model in (copy_run.model, untrained):
         src = _mixed_sources(6)
         assert greedy_decode(model, src, SP, max_len=20) == greedy_decode(model, src, SP, max_len=20, use_cache=False)
-        cached = beam_search(model, src, SP, beam_size=3, max_len=20)
-        assert cached == beam_search(model, src, SP, beam_size=3, max_len=20, use_cache=False)
+        cached = beam_search(model, src, SP, beam_size=3, max_len=20, coverage_penalty=beta)
+        assert cached == beam_search(model, src, SP, 3, max_len=20, use_cache=False, coverage_penalty=beta)
+
+
+def test_coverage_penalty_known_numbers() -> None:
+    coverage = torch.tensor([[0.5, 2.0, 0.25, 0.0]])  # source token 2 over-attended, the last one is padding
+    pad = torch.tensor([[False, False, False, True]])
+    expected = 0.2 * (math.log(0.5) + math.log(1.0) + math.log(0.25))  # min(·, 1) caps the over-attended token
+    assert gnmt_coverage_penalty(coverage, pad, 0.2).item() == pytest.approx(expected, rel=1e-6)
+    assert gnmt_coverage_penalty(torch.ones(2, 3), torch.zeros(2, 3, dtype=torch.bool), 0.7).tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 3.0])
+def test_wide_beam_finds_the_best_scoring_sequence(beta: float) -> None:
+    """A beam wide enough to keep every prefix is exhaustive: its winner must be the argmax of GNMT's score.
+
+    The score is recomputed here from scratch for every possible output: teacher-forced log P over
+    the whole sequence, the length penalty, and coverage summed from the decoder's cross-attention maps.
+    """
+    torch.manual_seed(0)
+    model = toy_model(n_symbols=3, d_model=32).eval()  # 6 tokens: <pad> <s> </s> and 3 digits
+    with torch.no_grad():  # sharpen the cross-attention, so coverage differs from one output to the next
+        for layer in model.decoder.layers:
+            layer.cross_attn.q_proj.weight.mul_(12.0)  # type: ignore[union-attr]
+    # An untrained model never ends a sentence; favour </s> so that short and finished hypotheses compete
+    # (and the coverage of a finished one must stay frozen), and rule out <pad> and <s> as a trained one would.
+    bias = torch.zeros(6)
+    bias[SP.eos], bias[SP.pad], bias[SP.bos] = 4.0, -20.0, -20.0
+    model.generator.register_forward_hook(lambda module, inputs, logits: logits + bias)
+    vocab, max_len, alpha = 6, 3, 0.6
+    gen = torch.Generator().manual_seed(1)
+    for src_len in (2, 3, 4, 5, 6):
+        src = source_tensor(random_sequences(1, src_len, 3, gen), SP)  # (1, S)
+        outputs = [[SP.eos]] + [[a, SP.eos] for a in range(vocab) if a != SP.eos]
+        outputs += [[a, b, c] for a in range(vocab) for b in range(vocab) for c in range(vocab) if SP.eos not in (a, b)]
+        with torch.no_grad():
+            memory = model.encode(src)
+            best, best_score = None, -math.inf
+            for out in outputs:
+                tgt_in = torch.tensor([[SP.bos, *out[:-1]]])
+                logits, maps = model.decode(tgt_in, memory, return_weights=True)
+                log_p = logits.log_softmax(-1)[0, torch.arange(len(out)), torch.tensor(out)].sum()
+                coverage = maps.cross_attn[-1][0].mean(0).sum(0)  # (S,): attention each source token received
+                no_pad = torch.zeros_like(coverage, dtype=torch.bool)
+                score = log_p / gnmt_length_penalty(torch.tensor(len(out)), alpha)
+                score = float(score + gnmt_coverage_penalty(coverage, no_pad, beta))
+                if score > best_score:
+                    best, best_score = out, score
+        assert best is not None
+        expected = best[: best.index(SP.eos)] if SP.eos in best else best
+        expected = expected[: expected.index(SP.pad)] if SP.pad in expected else expected  # as decoding strips
+        assert beam_search(model, src, SP, vocab**2, alpha, max_len, coverage_penalty=beta)[0] == expected
 
 
 def test_cross_attention_keys_are_computed_once(copy_run: ToyResult) -> None:
@@ -171,6 +223,8 @@ def test_padding_changes_nothing(copy_run: ToyResult) -> None:
     for decode in (greedy_decode, beam_search):
         # The same max_len for both: by default it grows with the batch's longest source.
         assert decode(model, batch.src, SP, max_len=25)[0] == decode(model, alone.src, SP, max_len=25)[0]
+    covered = [beam_search(model, src, SP, 4, max_len=25, coverage_penalty=0.5)[0] for src in (batch.src, alone.src)]
+    assert covered[0] == covered[1]
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -195,6 +249,8 @@ def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
     (lm_run / "config.json").write_text(json.dumps(config))
     code, err = _run(capsys, "translate", str(lm_run), "Wie geht es dir?")
     assert code == 2 and "not a translation model" in err and err.count("\n") == 1
+    code, err = _run(capsys, "eval", str(lm_run), "--coverage-penalty", "0.2")
+    assert code == 2 and "for translation runs" in err and err.count("\n") == 1
     code, err = _run(capsys, "translate", str(lm_run), "   ")
     assert code == 2 and "empty" in err and err.count("\n") == 1
     code, err = _run(capsys, "train", "translate", "--block-size", "8")
@@ -236,6 +292,11 @@ def test_resume_takes_the_same_steps(tmp_path: Path, tiny_corpus: None, capsys: 
     # Options may also come between the run directory and the sentence.
     assert main(["translate", str(tmp_path / "a"), "--beam", "2", "Wie geht es dir?"]) == 0
     assert capsys.readouterr().out == translation
+    assert main(["translate", str(tmp_path / "a"), "Wie geht es dir?", "--beam", "2", "--coverage-penalty", "0",
+                 "--length-penalty", "1.0"]) == 0  # fmt: skip
+    assert capsys.readouterr().out.strip()
+    code, err = _run(capsys, "translate", str(tmp_path / "a"), "Wie?", "--coverage-penalty", "-1")
+    assert code == 2 and "must be ≥ 0" in err and err.count("\n") == 1
     code, err = _run(capsys, "generate", str(tmp_path / "a"))  # a translation run is not a language model
     assert code == 2 and "not a language model" in err and err.count("\n") == 1
 

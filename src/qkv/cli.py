@@ -18,6 +18,7 @@ from qkv.errors import QkvError
 from qkv.interop.cli import register as _add_convert
 from qkv.lab.cli import register as _add_lab
 from qkv.training.config import DTYPES
+from qkv.translation.cli import add_penalty_options
 from qkv.translation.cli import register as _add_translate
 
 
@@ -128,6 +129,7 @@ def _add_eval(sub: Any) -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--device", default="auto")
     p.add_argument("--beam", type=int, default=4, help="translation runs: beam size compared with greedy")
+    add_penalty_options(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -282,6 +284,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         from qkv.translation.cli import cmd_eval_translate
 
         return cmd_eval_translate(args)
+    if args.length_penalty is not None or args.coverage_penalty is not None:
+        raise QkvError("--length-penalty and --coverage-penalty are for translation runs (beam search)")
     from qkv.training import evaluate_loss, load, perplexity
     from qkv.training.dataset import prepare_text_data
     from qkv.training.trainer import resolve_device

@@ -36,6 +36,9 @@ class BlockConfig:
     n_kv_heads: int | None = None  # None = n_heads (multi-head); 1 = multi-query; else grouped-query
     d_ff: int | None = None  # None = 4 · d_model (ReLU/GELU) or ⌈8/3 · d_model⌉₈ (SwiGLU)
     dropout: float = 0.1
+    # On the attention weights. None = `dropout` (Tensor2Tensor, HF); the paper drops only sub-layer outputs and
+    # embeddings, and 0 lets PyTorch's fused attention kernel run while training on a CPU.
+    attention_dropout: float | None = None
     bias: bool = True
     activation: Activation = "relu"
     norm: Literal["layer", "rms", "batch"] = "layer"
@@ -57,10 +60,18 @@ class BlockConfig:
             # keeps its parameters and FLOPs equal to a 4 · d_model ReLU/GELU layer's.
             self.d_ff = 4 * self.d_model if self.activation != "swiglu" else -(-8 * self.d_model // 24) * 8
         _positive(self, "d_ff")
-        if not 0.0 <= self.dropout < 1.0:
-            raise QkvError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.attention_dropout == self.dropout:
+            self.attention_dropout = None  # one spelling per config, so that equal configs compare equal
+        for name, p in (("dropout", self.dropout), ("attention_dropout", self.attn_dropout)):
+            if not 0.0 <= p < 1.0:
+                raise QkvError(f"{name} must be in [0, 1), got {p}")
         if self.norm_eps <= 0:
             raise QkvError(f"norm_eps must be positive, got {self.norm_eps}")
+
+    @property
+    def attn_dropout(self) -> float:
+        """Dropout on attention weights: attention_dropout, or dropout where that is None."""
+        return self.dropout if self.attention_dropout is None else self.attention_dropout
 
     @property
     def d_head(self) -> int:

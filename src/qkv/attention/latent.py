@@ -167,7 +167,7 @@ class LatentAttention(nn.Module):
         """The LatentAttention a (validated) attention='mla' config describes."""
         assert cfg.kv_lora_rank and cfg.qk_nope_head_dim and cfg.qk_rope_head_dim and cfg.v_head_dim
         dims = (cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim)
-        return cls(cfg.d_model, cfg.n_heads, *dims, cfg.q_lora_rank, cfg.bias, cfg.dropout, cfg.mla_absorb)
+        return cls(cfg.d_model, cfg.n_heads, *dims, cfg.q_lora_rank, cfg.bias, cfg.attn_dropout, cfg.mla_absorb)
 
     def new_cache(self, capacity: int = 256) -> LatentKVCache:
         """An empty cache for this layer."""

@@ -35,7 +35,7 @@ def _attention(cfg: BlockConfig) -> MultiHeadAttention | LatentAttention:
     """A MultiHeadAttention shaped by the block config (LatentAttention for attention='mla')."""
     if isinstance(cfg, DecoderLMConfig) and cfg.attention == "mla":
         return LatentAttention.from_config(cfg)
-    return MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, bias=cfg.bias, dropout=cfg.dropout)
+    return MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, bias=cfg.bias, dropout=cfg.attn_dropout)
 
 
 def _feed_forward(cfg: BlockConfig, index: int = 0) -> FeedForward | MoEFeedForward:

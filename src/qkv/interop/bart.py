@@ -51,6 +51,7 @@ def config_from_hf(hf: dict[str, Any], tensor_names: Collection[str]) -> Transfo
         activation=activation_from_hf(hf_value(hf, "activation_function", NAME, "gelu"), NAME),
         bias=True,
         dropout=hf_value(hf, "dropout", NAME, 0.1),
+        attention_dropout=hf_value(hf, "attention_dropout", NAME, 0.0),
         share_embeddings=True,
         tie_embeddings=hf_value(hf, "tie_word_embeddings", NAME, True),
         scale_embeddings=hf_value(hf, "scale_embedding", NAME, False),

@@ -39,6 +39,7 @@ def config_from_hf(hf: dict[str, Any], tensor_names: Collection[str]) -> Encoder
         activation=activation_from_hf(hf_value(hf, "hidden_act", NAME, "gelu"), NAME),
         bias=True,
         dropout=hf_value(hf, "hidden_dropout_prob", NAME, 0.1),
+        attention_dropout=hf_value(hf, "attention_probs_dropout_prob", NAME, 0.1),
         type_vocab_size=hf_value(hf, "type_vocab_size", NAME, 2),
         embedding_norm=True,
         pooler=any(name.endswith("pooler.dense.weight") for name in tensor_names),

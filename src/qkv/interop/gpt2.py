@@ -52,6 +52,7 @@ def config_from_hf(hf: dict[str, Any], tensor_names: Collection[str]) -> Decoder
         activation=activation_from_hf(hf_value(hf, "activation_function", NAME, "gelu_new"), NAME),
         bias=True,
         dropout=hf_value(hf, "resid_pdrop", NAME, 0.1),
+        attention_dropout=hf_value(hf, "attn_pdrop", NAME, 0.1),
         tie_embeddings=hf_value(hf, "tie_word_embeddings", NAME, True),
         final_norm=True,
     )
@@ -109,7 +110,7 @@ def config_to_hf(cfg: DecoderLMConfig) -> dict[str, Any]:
         "layer_norm_epsilon": cfg.norm_eps,
         "resid_pdrop": cfg.dropout,
         "embd_pdrop": cfg.dropout,
-        "attn_pdrop": cfg.dropout,
+        "attn_pdrop": cfg.attn_dropout,
         "tie_word_embeddings": cfg.tie_embeddings,
     }
 

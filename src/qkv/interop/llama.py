@@ -53,7 +53,8 @@ def config_from_hf(hf: dict[str, Any], tensor_names: Collection[str]) -> Decoder
         norm_eps=hf_value(hf, "rms_norm_eps", NAME, 1e-6),
         activation="swiglu",
         bias=attention_bias,
-        dropout=hf_value(hf, "attention_dropout", NAME, 0.0),
+        dropout=0.0,  # Llama has no residual or embedding dropout
+        attention_dropout=hf_value(hf, "attention_dropout", NAME, 0.0),
         tie_embeddings=hf_value(hf, "tie_word_embeddings", NAME, False),
         final_norm=True,
     )
@@ -119,7 +120,7 @@ def config_to_hf(cfg: DecoderLMConfig) -> dict[str, Any]:
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
         "attention_bias": cfg.bias,
         "mlp_bias": cfg.bias,
-        "attention_dropout": cfg.dropout,
+        "attention_dropout": cfg.attn_dropout,
         "tie_word_embeddings": cfg.tie_embeddings,
     }
 

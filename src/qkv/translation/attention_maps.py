@@ -32,7 +32,9 @@ def cross_attention(
     out = (
         greedy_decode(run.model, src, sp)
         if beam_size == 1
-        else beam_search(run.model, src, sp, beam_size, run.config.length_penalty)
+        else beam_search(
+            run.model, src, sp, beam_size, run.config.length_penalty, coverage_penalty=run.config.coverage_penalty
+        )
     )
     tgt = torch.tensor([[sp.bos, *out[0]]], device=src.device)  # (1, T)
     src_mask = (src != sp.pad)[:, None, None, :]

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qkv.errors import QkvError
+
+if TYPE_CHECKING:
+    from qkv.translation.run import TranslationRun
 
 # `qkv train` options that only mean something for the language model.
 _LM_ONLY = ("data", "tokenizer", "block_size", "batch_size", "grad_accum", "eval_tokens",
@@ -52,6 +56,21 @@ def cmd_train_translate(args: argparse.Namespace) -> int:
     return 130 if result.interrupted else 0
 
 
+def add_penalty_options(p: argparse.ArgumentParser) -> None:
+    """--length-penalty and --coverage-penalty (beam search's α and β), shared by `qkv translate` and `qkv eval`."""
+    p.add_argument("--length-penalty", type=float, metavar="ALPHA", help="beam: GNMT's α (default: the run's, 0.6)")
+    p.add_argument("--coverage-penalty", type=float, metavar="BETA",
+                   help="beam: GNMT's β, the cost of unattended source tokens (default: the run's, 0.2)")  # fmt: skip
+
+
+def _with_penalties(run: TranslationRun, args: argparse.Namespace) -> TranslationRun:
+    """The run, decoding with the penalties given on the command line instead of its own (checked by the config)."""
+    given = {n: getattr(args, n) for n in ("length_penalty", "coverage_penalty") if getattr(args, n) is not None}
+    if given:
+        run.config = dataclasses.replace(run.config, **given)
+    return run
+
+
 def cmd_eval_translate(args: argparse.Namespace) -> int:
     """`qkv eval` on a translation run: test-split BLEU and chrF, greedy and beam."""
     from qkv.training.trainer import resolve_device
@@ -59,7 +78,7 @@ def cmd_eval_translate(args: argparse.Namespace) -> int:
     from qkv.translation.metrics import corpus_bleu, corpus_chrf
     from qkv.translation.run import load_translation
 
-    run = load_translation(args.run_dir, args.checkpoint, resolve_device(args.device))
+    run = _with_penalties(load_translation(args.run_dir, args.checkpoint, resolve_device(args.device)), args)
     test = split_de_en().test
     sources, references = [de for de, _ in test], [en for _, en in test]
     for beam in sorted({1, args.beam}):
@@ -97,7 +116,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
     if args.beam < 1:
         raise QkvError(f"--beam must be ≥ 1, got {args.beam}")
     sentences = _sentences(args)
-    run = load_translation(args.run_dir, args.checkpoint, resolve_device(args.device))
+    run = _with_penalties(load_translation(args.run_dir, args.checkpoint, resolve_device(args.device)), args)
     for line in run.translate(sentences, args.beam):
         print(line)
     if args.attention_maps:
@@ -116,6 +135,7 @@ def register(sub: Any) -> None:
     p.add_argument("sentence", nargs="?", help="a German sentence (or use --input)")
     p.add_argument("--input", help="a file with one sentence per line, or '-' for stdin")
     p.add_argument("--beam", type=int, default=4, help="beam size (1 = greedy; default 4)")
+    add_penalty_options(p)
     p.add_argument("--attention-maps", metavar="OUTDIR", help="write one cross-attention PNG per layer here")
     p.add_argument("--checkpoint", default="best", help="best or last")
     p.add_argument("--device", default="auto")

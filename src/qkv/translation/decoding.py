@@ -16,6 +16,7 @@ from torch import Tensor
 
 from qkv.attention import LayerCache
 from qkv.attention.masks import padding_mask_from_ids
+from qkv.errors import QkvError
 from qkv.models import Transformer
 from qkv.translation.batching import Specials
 
@@ -28,6 +29,18 @@ def default_max_len(src: Tensor, model: Transformer) -> int:
 def gnmt_length_penalty(length: Tensor, alpha: float) -> Tensor:
     """GNMT's lp(Y) = ((5 + |Y|) / 6)^α (Wu et al., 2016); scores are log P / lp. α = 0: no normalisation."""
     return ((5.0 + length.float()) / 6.0) ** alpha
+
+
+def gnmt_coverage_penalty(coverage: Tensor, src_pad: Tensor, beta: float) -> Tensor:
+    """GNMT's cp(X; Y) = β · Σ_i log min(Σ_j p_ij, 1) over the non-pad source tokens i; coverage (..., S) → (...).
+
+    p_ij is the attention target token j paid to source token i, so Σ_j p_ij is how much of source token i
+    the hypothesis has "used". A hypothesis that stops before attending to every source token pays for each
+    neglected one; this is the counterweight to beam search's preference for short outputs. cp ≤ 0; β = 0: none.
+    """
+    # The floor keeps an unattended token's log finite (softmax weights can underflow to 0 in float32).
+    used = coverage.float().clamp(min=1e-6, max=1.0).masked_fill(src_pad, 1.0)
+    return beta * used.log().sum(-1)
 
 
 @contextlib.contextmanager
@@ -60,6 +73,19 @@ class _Stepper:
         else:
             logits = self.model.decode(tokens, self.memory, self.src_mask)
         return logits[:, -1].float().log_softmax(-1)
+
+    def log_probs_and_attention(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """log_probs, and the newest position's cross-attention in the last decoder layer, mean over heads (N, S)."""
+        if self.cache is not None:
+            logits, maps = self.model.decode(
+                tokens[:, -1:], self.memory, self.src_mask, cache=self.cache, return_weights=True
+            )
+        else:
+            logits, maps = self.model.decode(tokens, self.memory, self.src_mask, return_weights=True)
+        if not maps.cross_attn:
+            raise QkvError("the coverage penalty needs a decoder with cross-attention")
+        weights = maps.cross_attn[-1]  # (N, H, t, S)
+        return logits[:, -1].float().log_softmax(-1), weights[:, :, -1].float().mean(1)
 
     def reorder(self, index: Tensor) -> None:
         """Keep prefixes `index` (N,), in that order (beam search reshuffles them every step)."""
@@ -110,14 +136,15 @@ def beam_search(
     length_penalty: float = 0.6,
     max_len: int | None = None,
     use_cache: bool = True,
+    coverage_penalty: float = 0.0,
 ) -> list[list[int]]:
-    """The best of `beam_size` hypotheses per source row, ranked by log P / GNMT length penalty.
+    """The best of `beam_size` hypotheses per source row, ranked by log P / lp(α) + cp(β), GNMT's score.
 
     Every sentence keeps K hypotheses; each step extends all of them by every token and keeps the K
-    best candidates by normalised score. A finished hypothesis (it produced </s>) stays in the beam
-    with its score frozen (it can only be extended by padding), so it competes with the live ones
-    until a better one pushes it out. A sentence is done when all its K hypotheses are finished,
-    the batch when every sentence is. K = 1 is exactly greedy decoding.
+    best candidates by that score, each ranked as if it ended there. A finished hypothesis (it produced
+    </s>) stays in the beam with its score frozen (it can only be extended by padding), so it competes
+    with the live ones until a better one pushes it out. A sentence is done when all its K hypotheses
+    are finished, the batch when every sentence is. K = 1 with β = 0 is exactly greedy decoding.
     """
     b, k = src.shape[0], beam_size
     src_mask = padding_mask_from_ids(src, sp.pad)  # (B, 1, 1, S)
@@ -131,8 +158,16 @@ def beam_search(
     lengths = torch.zeros(b, k, dtype=torch.int64, device=device)  # tokens generated, </s> included
     finished = torch.zeros(b, k, dtype=torch.bool, device=device)
     offsets = torch.arange(b, device=device)[:, None] * k  # (B, 1): first row of each sentence's block
+    src_pad = (src == sp.pad)[:, None, :]  # (B, 1, S)
+    coverage = torch.zeros(b, k, src.shape[1], device=device)  # attention each source token has received
     for _ in range(max_len):
-        logp = stepper.log_probs(tokens).view(b, k, -1)  # (B, K, V)
+        if coverage_penalty:
+            step_logp, attn = stepper.log_probs_and_attention(tokens)  # (B·K, V), (B·K, S)
+            # The attention read while choosing the next token counts towards that token, as in GNMT.
+            coverage = coverage + attn.view(b, k, -1).masked_fill(finished[..., None], 0.0)
+        else:
+            step_logp = stepper.log_probs(tokens)
+        logp = step_logp.view(b, k, -1)  # (B, K, V)
         vocab = logp.shape[-1]
         frozen = torch.full_like(logp[0, 0], -torch.inf)
         frozen[sp.pad] = 0.0  # a finished hypothesis has exactly one continuation, at no cost
@@ -140,10 +175,13 @@ def beam_search(
         candidates = scores[..., None] + logp  # (B, K, V)
         new_lengths = lengths + (~finished).long()  # (B, K)
         ranked = candidates / gnmt_length_penalty(new_lengths, length_penalty)[..., None]
+        if coverage_penalty:
+            ranked = ranked + gnmt_coverage_penalty(coverage, src_pad, coverage_penalty)[..., None]
         best = ranked.view(b, -1).topk(k, dim=-1).indices  # (B, K) into K·V
         beam, token = best // vocab, best % vocab  # which hypothesis each winner extends, and by what
         scores = candidates.view(b, -1).gather(1, best)
         lengths = new_lengths.gather(1, beam)
+        coverage = coverage.gather(1, beam[..., None].expand_as(coverage))
         finished = finished.gather(1, beam) | (token == sp.eos)
         rows = (offsets + beam).view(-1)  # (B·K,) rows of the previous step's prefixes
         tokens = torch.cat([tokens[rows], token.view(-1, 1)], dim=1)
@@ -151,5 +189,7 @@ def beam_search(
         if bool(finished.all()):
             break
     final = scores / gnmt_length_penalty(lengths, length_penalty)  # (B, K)
+    if coverage_penalty:
+        final = final + gnmt_coverage_penalty(coverage, src_pad, coverage_penalty)
     winners = (offsets.view(-1) + final.argmax(dim=-1)).view(-1)  # (B,)
     return _strip(tokens[winners], sp)
