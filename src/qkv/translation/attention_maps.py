@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from qkv.translation.decoding import beam_search, greedy_decode
+from qkv.attention.masks import padding_mask_from_ids
 from qkv.translation.run import TranslationRun
 
 
@@ -29,15 +29,9 @@ def cross_attention(
     """
     src = run.encode_sources([sentence])  # (1, S)
     sp = run.specials
-    out = (
-        greedy_decode(run.model, src, sp)
-        if beam_size == 1
-        else beam_search(
-            run.model, src, sp, beam_size, run.config.length_penalty, coverage_penalty=run.config.coverage_penalty
-        )
-    )
+    out = run.decode_ids(src, beam_size)
     tgt = torch.tensor([[sp.bos, *out[0]]], device=src.device)  # (1, T)
-    src_mask = (src != sp.pad)[:, None, None, :]
+    src_mask = padding_mask_from_ids(src, sp.pad)  # (1, 1, 1, S)
     memory = run.model.encode(src, src_mask)
     _, maps = run.model.decode(tgt, memory, src_mask, return_weights=True)
     # Target labels name what each row predicted: output token t was produced while reading tgt[:, t].

@@ -181,7 +181,8 @@ def beam_search(
         beam, token = best // vocab, best % vocab  # which hypothesis each winner extends, and by what
         scores = candidates.view(b, -1).gather(1, best)
         lengths = new_lengths.gather(1, beam)
-        coverage = coverage.gather(1, beam[..., None].expand_as(coverage))
+        if coverage_penalty:
+            coverage = coverage.gather(1, beam[..., None].expand_as(coverage))
         finished = finished.gather(1, beam) | (token == sp.eos)
         rows = (offsets + beam).view(-1)  # (B·K,) rows of the previous step's prefixes
         tokens = torch.cat([tokens[rows], token.view(-1, 1)], dim=1)

@@ -80,18 +80,20 @@ class TranslationRun:
         """(B, S) padded source ids for German sentences."""
         return source_tensor([self.tokenizer.encode(s) for s in sentences], self.specials).to(self.device)
 
+    def decode_ids(self, src: torch.Tensor, beam_size: int = 1) -> list[list[int]]:
+        """Output ids for sources (B, S): beam_size 1 = greedy, else beam search with the config's α and β."""
+        if beam_size == 1:
+            return greedy_decode(self.model, src, self.specials)
+        cfg = self.config
+        return beam_search(
+            self.model, src, self.specials, beam_size, cfg.length_penalty, coverage_penalty=cfg.coverage_penalty
+        )
+
     def translate(self, sentences: list[str], beam_size: int = 1, batch_size: int = 64) -> list[str]:
         """English translations; beam_size 1 = greedy, else beam search with the config's α and β."""
         out: list[str] = []
         for i in range(0, len(sentences), batch_size):
-            src = self.encode_sources(sentences[i : i + batch_size])
-            if beam_size == 1:
-                ids = greedy_decode(self.model, src, self.specials)
-            else:
-                cfg = self.config
-                ids = beam_search(
-                    self.model, src, self.specials, beam_size, cfg.length_penalty, coverage_penalty=cfg.coverage_penalty
-                )
+            ids = self.decode_ids(self.encode_sources(sentences[i : i + batch_size]), beam_size)
             out.extend(self.tokenizer.decode(t).strip() for t in ids)
         return out
 
