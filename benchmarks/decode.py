@@ -1,7 +1,7 @@
 """Decode speed: qkv with and without the KV cache vs transformers' generate, on the same GPT-2-124M-shaped weights.
 
 A DecoderLM of GPT-2 small's shape (vocab 50257, 12 layers × 768, 12 heads, learned positions, LayerNorm, gelu_tanh,
-tied embeddings) with random weights is exported with model.save_hf and loaded by transformers' GPT2LMHeadModel, so
+tied embeddings) with random weights is exported with qkv.save_hf and loaded by transformers' GPT2LMHeadModel, so
 both decode the very same weights in the same run. Greedy decoding of --new-tokens tokens after a random prompt of
 --prompt-len tokens, at each batch size; tokens/s = batch × new tokens / seconds, after one short warm-up call.
 Without the cache every step re-reads the whole sequence (quadratic work), so that row decodes --uncached-tokens
@@ -37,7 +37,9 @@ from torch import Tensor, nn
 
 from qkv import DecoderLM, DecoderLMConfig
 from qkv.bench import save_report
-from qkv.training.config import DTYPES
+from qkv.generation import Sampling, generate
+from qkv.interop import save_hf
+from qkv.io import DTYPES
 
 GPT2_SMALL: dict[str, Any] = {
     "vocab_size": 50257, "n_layers": 12, "d_model": 768, "n_heads": 12, "max_positions": 1024,
@@ -82,7 +84,7 @@ def measure(cfg: DecoderLMConfig, batch_sizes: list[int], prompt_len: int, new_t
     torch.manual_seed(0)
     base = DecoderLM(cfg).eval().to(device)
     with tempfile.TemporaryDirectory() as tmp:
-        base.save_hf(tmp)
+        save_hf(base, tmp)
         hf_base = GPT2LMHeadModel.from_pretrained(tmp).eval().to(device)
     rows: dict[str, Any] = {}
     bounds: dict[str, float] = {}
@@ -98,7 +100,7 @@ def measure(cfg: DecoderLMConfig, batch_sizes: list[int], prompt_len: int, new_t
 
             def qkv(n: int, cache: bool, ids: Tensor = ids, model: DecoderLM = model) -> Tensor:
                 """qkv greedy decoding of n tokens."""
-                return model.generate(ids, n, temperature=0.0, use_cache=cache)
+                return generate(model, ids, n, Sampling(temperature=0.0), use_cache=cache)
 
             def hf_generate(n: int, ids: Tensor = ids, mask: Tensor = mask, hf: Any = hf) -> Tensor:
                 """transformers greedy decoding of exactly n tokens (no eos in the config, min = max)."""

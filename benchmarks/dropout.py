@@ -3,7 +3,8 @@
 Two measurements, each as a ratio taken in the same run, cases interleaved, best of --repeats:
 1. forward + backward of dropout alone on an (N, d) activation, with a matmul of the same tensor for scale;
 2. one training step of the default translation model (2 + 2 layers, d_model 128, dropout 0.1) on real
-   ~1,500-token batches, with every qkv Dropout swapped for nn.Dropout, and with dropout 0 as the floor.
+   ~1,500-token batches, through `qkv train translate`'s own loop (its timing hooks), with every qkv
+   Dropout swapped for nn.Dropout, and with dropout 0 as the floor.
 
     python benchmarks/dropout.py              # or: qkv bench dropout
     python benchmarks/dropout.py --rows 3000 --width 512 --steps 20 --repeats 3 --json dropout.json
@@ -22,6 +23,9 @@ from torch import nn
 
 from qkv.bench import save_report
 from qkv.blocks.dropout import Dropout, dropout
+from qkv.tasks import train
+from qkv.tasks.translate import TranslateConfig
+from qkv.training import Hooks, StepInfo
 
 
 def best_ms(fn: Callable[[], Any], n: int, repeats: int) -> float:
@@ -53,52 +57,28 @@ def kernel_times(rows: int, width: int, p: float, repeats: int) -> dict[str, flo
     }
 
 
-def with_torch_dropout(model: nn.Module) -> nn.Module:
-    """The model with every qkv Dropout replaced by nn.Dropout of the same p."""
+def with_torch_dropout(model: nn.Module) -> None:
+    """Replace every qkv Dropout in the model by nn.Dropout of the same p."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, Dropout):
                 setattr(module, name, nn.Dropout(child.p))
-    return model
 
 
 def step_times(steps: int, repeats: int) -> dict[str, float]:
-    """ms per training step of the default translation model, three ways, on the same batches."""
-    from qkv.config import TransformerConfig
-    from qkv.models import Transformer
-    from qkv.training.common import make_optimizer
-    from qkv.translation.batching import length_buckets, make_batch
-    from qkv.translation.config import DEFAULT_MODEL, TranslateConfig
-    from qkv.translation.corpus import split_de_en
-    from qkv.translation.run import specials_of, train_tokenizer
-    from qkv.translation.step import train_step
-    from qkv.translation.trainer import encode_pairs
+    """ms per training step of the default translation model, three ways, through `qkv train translate`'s loop.
 
-    cfg = TranslateConfig()
-    splits = split_de_en()
-    tokenizer = train_tokenizer([s for pair in splits.train for s in pair], cfg.vocab_size)
-    sp = specials_of(tokenizer)
-    pairs = encode_pairs(tokenizer, splits.train, 1024)
-    buckets = length_buckets(pairs, cfg.batch_tokens)
-    gen = torch.Generator().manual_seed(0)
-    picks = [buckets[int(torch.randint(len(buckets), (1,), generator=gen))] for _ in range(steps)]
-    batches = [make_batch([pairs[i][0] for i in b], [pairs[i][1] for i in b], sp) for b in picks]
-    models = {}
-    for name, drop in (("torch", 0.1), ("qkv", 0.1), ("none", 0.0)):
-        torch.manual_seed(0)
-        fields = {**DEFAULT_MODEL, "dropout": drop}
-        model_cfg = TransformerConfig(src_vocab_size=tokenizer.vocab_size, tgt_vocab_size=tokenizer.vocab_size,
-                                      share_embeddings=True, pad_id=sp.pad, **fields)  # fmt: skip
-        model = Transformer(model_cfg)
-        models[name] = (with_torch_dropout(model) if name == "torch" else model, make_optimizer(model, cfg))
-    best = {name: float("inf") for name in models}
+    Every case trains the same steps on the same batches (the same seed); the loop's on_step hook times them,
+    and its on_model hook swaps qkv's Dropout for nn.Dropout in the "torch" case.
+    """
+    cases = {"torch": (with_torch_dropout, 0.1), "qkv": (None, 0.1), "none": (None, 0.0)}
+    best = {name: float("inf") for name in cases}
     for _ in range(repeats):  # interleaved, so drifting machine load hits every case alike
-        for name, (model, optimizer) in models.items():
-            model.train()
-            start = time.perf_counter()
-            for batch in batches:
-                train_step(model, optimizer, batch, cfg.label_smoothing, cfg.grad_clip)
-            best[name] = min(best[name], (time.perf_counter() - start) / len(batches) * 1e3)
+        for name, (swap, p) in cases.items():
+            times: list[StepInfo] = []
+            cfg = TranslateConfig(model={"dropout": p}, max_steps=steps, warmup_steps=0, max_time=None)
+            train(cfg, verbose=False, hooks=Hooks(on_model=swap, on_step=times.append, evaluate=False))
+            best[name] = min(best[name], sum(t.seconds for t in times) / len(times) * 1e3)
     return {f"step_{name}_ms": ms for name, ms in best.items()}
 
 

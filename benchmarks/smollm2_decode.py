@@ -18,6 +18,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from qkv import DecoderLM
+from qkv.generation import Sampling, generate
 from qkv.interop import from_hf, read_checkpoint, tokenizer_from_hf
 from qkv.interop.hf_io import package_file
 
@@ -41,7 +42,7 @@ def main() -> None:
     mask = torch.ones_like(ids)
 
     def run_qkv(n: int) -> torch.Tensor:
-        return model.generate(ids, n, temperature=0.0)
+        return generate(model, ids, n, Sampling(temperature=0.0))
 
     def run_hf(n: int) -> torch.Tensor:
         with torch.no_grad():

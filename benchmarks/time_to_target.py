@@ -1,6 +1,6 @@
 """Time to target: wall-clock seconds of `qkv train` (default recipe) until the full-validation loss reaches a target.
 
-The run is qkv.train with TrainConfig's defaults (the default recipe) except for what the options set; every
+The run is qkv.train with LMConfig's defaults (the default recipe) except for what the options set; every
 --eval-interval steps it evaluates on the whole validation split (eval_tokens=None: the `qkv eval` protocol,
 evaluate_loss over data.val_ids). The first logged val_loss ≤ --target gives the step and, from metrics.jsonl,
 elapsed_s (wall-clock since the loop began, evaluations and checkpoint writes included) and train_s (the training
@@ -25,13 +25,13 @@ import torch
 
 from qkv.bench import save_report
 from qkv.cli import key_value
-from qkv.training import TrainConfig, train
-from qkv.training.common import read_metrics
-from qkv.training.config import DEFAULT_MODEL
-from qkv.training.trainer import resolve_device
+from qkv.io.devices import resolve_device
+from qkv.io.run_dir import read_metrics
+from qkv.tasks import train
+from qkv.tasks.lm import LMConfig
 
 
-def run(cfg: TrainConfig, target: float, verbose: bool) -> dict[str, Any]:
+def run(cfg: LMConfig, target: float, verbose: bool) -> dict[str, Any]:
     """Train, then find the first evaluation at or below target in metrics.jsonl."""
     result = train(cfg, verbose=verbose)
     rows = read_metrics(Path(result.run_dir), result.step)
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, help="random seed (default: the recipe's)")
     p.add_argument("--out-dir", help="keep the run here (default: a temporary directory, deleted)")
     p.add_argument("--set", action="append", type=key_value, default=[], metavar="KEY=VALUE",
-                   help="a TrainConfig field, as `qkv train --model` reads values (3, 0.1, True, text)")  # fmt: skip
+                   help="a LMConfig field, as `qkv train --model` reads values (3, 0.1, True, text)")  # fmt: skip
     p.add_argument("--model", action="append", type=key_value, default=[], metavar="KEY=VALUE",
                    help="a model config field")  # fmt: skip
     p.add_argument("--quiet", action="store_true", help="no training progress output")
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = args.out_dir or str(Path(tmp) / "run")
         try:
-            cfg = TrainConfig(**settings, model={**DEFAULT_MODEL, **dict(args.model)}, eval_interval=args.eval_interval,
+            cfg = LMConfig(**settings, model=dict(args.model), eval_interval=args.eval_interval,
                               eval_tokens=None, sample_tokens=0, out_dir=out_dir)  # fmt: skip
         except TypeError as e:  # an unknown --set key
             p.error(str(e))

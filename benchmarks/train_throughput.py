@@ -1,9 +1,11 @@
-"""Training throughput: tokens/s and MFU of a DecoderLM config on this machine.
+"""Training throughput: tokens/s and MFU of a language-model shape on this machine, through `qkv train`'s own loop.
 
-MFU (model FLOPs utilisation) = model FLOPs per second / peak fp32 matmul FLOP/s, with the peak
-measured in the same run (large square matmuls), so the ratio means the same on any machine.
-Model FLOPs per token follow the PaLM/nanoGPT estimate: 6·N (forward + backward through the
-non-embedding weights, including the output head) + 12·L·T·d (attention scores and mixing).
+The steps are the training loop's (qkv.training.loop: batches from the embedded corpus, forward, backward,
+fused AdamW), timed by its on_step hook, with evaluation and checkpoints off; the first --warmup steps are
+not counted. MFU (model FLOPs utilisation) = model FLOPs per second / peak fp32 matmul FLOP/s, with the peak
+measured in the same run (large square matmuls), so the ratio means the same on any machine. Model FLOPs per
+token follow the PaLM/nanoGPT estimate: 6·N (forward + backward through the non-embedding weights, including
+the output head) + 12·L·T·d (attention scores and mixing).
 
     python benchmarks/train_throughput.py                         # the default `qkv train` shape
     python benchmarks/train_throughput.py --n-layers 6 --d-model 384 --n-heads 6 --block-size 256 --batch-size 64
@@ -14,13 +16,19 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
-from qkv import DecoderLM, DecoderLMConfig
+from qkv import DecoderLM
 from qkv.bench import save_report
-from qkv.training.config import DEFAULT_MODEL, TrainConfig
+from qkv.tasks import train
+from qkv.tasks.lm import DEFAULT_MODEL, LMConfig
+from qkv.training import Hooks, StepInfo
+
+# nanoGPT's block: learned positions, LayerNorm, GELU, biases (DecoderLMConfig's own defaults).
+GPT_BLOCK = {"positions": "learned", "norm": "layer", "activation": "gelu", "bias": True, "dropout": 0.0}
 
 
 @dataclass
@@ -57,24 +65,18 @@ def flops_per_token(model: DecoderLM) -> float:
     return 6 * n + 12 * cfg.n_layers * cfg.max_positions * cfg.d_model
 
 
-def measure(cfg: DecoderLMConfig, batch_size: int, steps: int = 20, warmup: int = 3) -> Throughput:
-    """Time full training steps (forward, backward, fused AdamW) on random tokens."""
-    torch.manual_seed(0)
-    model = DecoderLM(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.max_positions))
-    y = torch.randint(0, cfg.vocab_size, (batch_size, cfg.max_positions))
+def measure(cfg: LMConfig, warmup: int = 3) -> Throughput:
+    """Train cfg.max_steps steps with the loop's hooks; time every step after the warm-up ones."""
+    models: list[nn.Module] = []
+    steps: list[StepInfo] = []
     peak = peak_matmul_flops()
-    for i in range(warmup + steps):
-        if i == warmup:
-            start = time.perf_counter()
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    seconds = (time.perf_counter() - start) / steps
+    train(cfg, verbose=False, hooks=Hooks(on_model=models.append, on_step=steps.append, evaluate=False))
     peak = max(peak, peak_matmul_flops())  # measured before and after: the best one is the peak
-    tokens_per_s = batch_size * cfg.max_positions / seconds
+    timed = steps[warmup:]
+    seconds = sum(s.seconds for s in timed) / len(timed)
+    tokens_per_s = sum(s.tokens for s in timed) / sum(s.seconds for s in timed)
+    model = models[0]
+    assert isinstance(model, DecoderLM)
     fpt = flops_per_token(model)
     achieved = tokens_per_s * fpt
     return Throughput(
@@ -86,26 +88,27 @@ def measure(cfg: DecoderLMConfig, batch_size: int, steps: int = 20, warmup: int 
 def main(argv: list[str] | None = None) -> None:
     """Parse a model shape, measure, print a table and JSON."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    defaults = LMConfig()
     p.add_argument("--n-layers", type=int, default=DEFAULT_MODEL["n_layers"])
     p.add_argument("--d-model", type=int, default=DEFAULT_MODEL["d_model"])
     p.add_argument("--n-heads", type=int, default=DEFAULT_MODEL["n_heads"])
-    p.add_argument("--block-size", type=int, default=TrainConfig().block_size)
-    p.add_argument("--batch-size", type=int, default=TrainConfig().batch_size)
-    p.add_argument("--vocab-size", type=int, default=78)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--block-size", type=int, default=defaults.block_size)
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    p.add_argument("--steps", type=int, default=20, help="timed steps (after --warmup more)")
+    p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--gpt", action="store_true", help="nanoGPT's block (learned positions, LayerNorm, GELU, biases)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="float32")
     p.add_argument("--json", help="also write the result to this file")
     args = p.parse_args(argv)
-    block = {} if args.gpt else {k: v for k, v in DEFAULT_MODEL.items() if k not in ("n_layers", "d_model", "n_heads")}
-    if not args.gpt and args.d_model != DEFAULT_MODEL["d_model"]:
-        block.pop("d_ff", None)
-    cfg = DecoderLMConfig(
-        vocab_size=args.vocab_size, n_layers=args.n_layers, d_model=args.d_model, n_heads=args.n_heads,
-        max_positions=args.block_size, **block,
-    )  # fmt: skip
-    result = measure(cfg, args.batch_size, args.steps)
+    model: dict[str, Any] = {"n_layers": args.n_layers, "d_model": args.d_model, "n_heads": args.n_heads}
+    if args.gpt:
+        model |= GPT_BLOCK
+    cfg = LMConfig(model=model, block_size=args.block_size, batch_size=args.batch_size, device=args.device,
+                   dtype=args.dtype, max_steps=args.warmup + args.steps, warmup_steps=0, sample_tokens=0)  # fmt: skip
+    result = measure(cfg, args.warmup)
     print(f"config: {args.n_layers} layers × {args.d_model}, {args.n_heads} heads, block {args.block_size}, "
-          f"batch {args.batch_size}, {'GPT block' if args.gpt else 'qkv default block'}, "
+          f"batch {args.batch_size}, {'GPT block' if args.gpt else 'qkv default block'}, {args.dtype}, "
           f"{torch.get_num_threads()} threads")  # fmt: skip
     print(f"{'params':>10} {'tokens/s':>10} {'ms/step':>9} {'model TFLOP/s':>14} {'peak TFLOP/s':>13} {'MFU':>6}")
     print(f"{result.params_m:>9.2f}M {result.tokens_per_s:>10,.0f} {result.ms_per_step:>9.1f} "

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from helpers import with_weights
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
@@ -21,6 +22,7 @@ from qkv.attention import (
     combine_masks,
     padding_mask_from_ids,
     padding_mask_from_lengths,
+    record_attention,
     sliding_window_mask,
 )
 from qkv.attention.sdpa import Backend
@@ -170,7 +172,7 @@ def test_both_paths_match_independent_float64_reference(case: dict) -> None:
     expected, expected_w = reference_attention(q, k, v, ref_mask, case["causal"], case["scale"])
     kw = dict(mask=mask, causal=case["causal"], scale=case["scale"])
 
-    out_ref, weights = scaled_dot_product_attention(q, k, v, **kw, return_weights=True)
+    out_ref, weights = with_weights(scaled_dot_product_attention, q, k, v, **kw)
     out_ref_nw = scaled_dot_product_attention(q, k, v, **kw, backend="reference")
     out_fused = scaled_dot_product_attention(q, k, v, **kw)
     out_fused_explicit = scaled_dot_product_attention(q, k, v, **kw, backend="fused")
@@ -189,7 +191,7 @@ def test_causal_is_end_aligned(t_q: int, t_k: int) -> None:
     q = torch.randn(2, t_q, 3, dtype=torch.float64)
     k = torch.randn(2, t_k, 3, dtype=torch.float64)
     v = torch.randn(2, t_k, 4, dtype=torch.float64)
-    _, weights = scaled_dot_product_attention(q, k, v, causal=True, return_weights=True)
+    _, weights = with_weights(scaled_dot_product_attention, q, k, v, causal=True)
     for i in range(t_q):
         for j in range(t_k):
             if j <= i + t_k - t_q:
@@ -209,8 +211,8 @@ def test_scale_one_is_unscaled_dot_product() -> None:
     q = torch.randn(1, 3, 8, dtype=torch.float64)
     k = torch.randn(1, 4, 8, dtype=torch.float64)
     v = torch.randn(1, 4, 2, dtype=torch.float64)
-    _, w1 = scaled_dot_product_attention(q, k, v, scale=1.0, return_weights=True)
-    _, wd = scaled_dot_product_attention(q, k, v, return_weights=True)
+    _, w1 = with_weights(scaled_dot_product_attention, q, k, v, scale=1.0)
+    _, wd = with_weights(scaled_dot_product_attention, q, k, v)
     scores = torch.einsum("bid,bjd->bij", q, k)
     assert torch.allclose(w1, torch.softmax(scores, -1), atol=1e-12)
     assert torch.allclose(wd, torch.softmax(scores / math.sqrt(8), -1), atol=1e-12)
@@ -260,7 +262,7 @@ def test_fully_masked_rows_give_zeros_and_finite_gradients(backend: str) -> None
     arbitrary[1] = False  # query 1 sees nothing in every sequence
     mask = padding_mask_from_lengths([5, 0], max_len=5) & arbitrary  # sequence 1 has no real keys
     if backend == "weights":
-        out, weights = scaled_dot_product_attention(q, k, v, mask=mask, return_weights=True)
+        out, weights = with_weights(scaled_dot_product_attention, q, k, v, mask=mask)
         assert not torch.isnan(weights).any()
         assert (weights[:, :, 1] == 0).all() and (weights[1] == 0).all()
         assert torch.allclose(weights[0, :, [0, 2, 3]].sum(-1), torch.ones(2, 3))
@@ -299,8 +301,8 @@ def test_attention_weight_rows_sum_to_one(case: dict) -> None:
     gen = torch.Generator().manual_seed(case["seed"])
     q, k, v = make_qkv(case, torch.float64, gen)
     mask, ref_mask = build_masks(case, gen)
-    _, weights = scaled_dot_product_attention(
-        q, k, v, mask=mask, causal=case["causal"], scale=case["scale"], return_weights=True
+    _, weights = with_weights(
+        scaled_dot_product_attention, q, k, v, mask=mask, causal=case["causal"], scale=case["scale"]
     )
     assert (weights >= 0).all()
     sums = weights.sum(-1)
@@ -357,10 +359,15 @@ def _t(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
         ((_t(3, 4), _t(2, 4), _t(2, 4)), {"mask": torch.ones(3, 5, dtype=torch.bool)}, r"mask of shape \(3, 5\)"),
         ((_t(3, 4), _t(2, 4), _t(2, 4)), {"mask": torch.ones(2, dtype=torch.bool)}, r"mask of shape \(2,\)"),
         ((_t(3, 4), _t(2, 4), _t(2, 4)), {"backend": "flash"}, r"unknown attention backend 'flash'"),
-        ((_t(3, 4), _t(2, 4), _t(2, 4)), {"backend": "fused", "return_weights": True}, r"cannot return"),
     ],
 )
 def test_sdpa_bad_inputs(args: tuple, kwargs: dict, match: str) -> None:
     """Misshapen or mistyped inputs raise QkvError naming the problem."""
     with pytest.raises(QkvError, match=match):
         scaled_dot_product_attention(*args, **kwargs)
+
+
+def test_the_fused_backend_cannot_record_weights() -> None:
+    """Recording needs the reference path: asking for the fused one while recording is a one-line error."""
+    with record_attention(), pytest.raises(QkvError, match=r"cannot record"):
+        scaled_dot_product_attention(_t(3, 4), _t(2, 4), _t(2, 4), backend="fused")

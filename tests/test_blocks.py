@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import with_maps
 from torch import Tensor, nn
 
 from qkv import BlockConfig, MultiHeadAttention, QkvError
@@ -244,8 +245,8 @@ def test_stacks_match_torch_transformer(norm_first: bool) -> None:
         )  # fmt: skip
         src_mask = ~src_pad[:, None, None, :]  # qkv: True = may attend
         tgt_mask = ~tgt_pad[:, None, None, :]
-        memory, _ = enc(src, mask=src_mask)
-        out, _ = dec(tgt, memory, self_mask=tgt_mask, memory_mask=src_mask)
+        memory = enc(src, mask=src_mask)
+        out = dec(tgt, memory, self_mask=tgt_mask, memory_mask=src_mask)
     assert (memory - ref_memory).abs().max().item() <= 1e-5
     assert (out - ref_out).abs().max().item() <= 1e-5
     assert (out - ref_full).abs().max().item() <= 1e-5
@@ -264,8 +265,8 @@ def test_stacks_match_torch_transformer_in_eval_mode_on_real_positions(norm_firs
     with torch.no_grad():
         ref_memory = ref.encoder(src, src_key_padding_mask=src_pad)
         ref_out = ref.decoder(tgt, ref_memory, tgt_mask=causal, memory_key_padding_mask=src_pad)
-        memory, _ = enc(src, mask=~src_pad[:, None, None, :])
-        out, _ = dec(tgt, memory, memory_mask=~src_pad[:, None, None, :])
+        memory = enc(src, mask=~src_pad[:, None, None, :])
+        out = dec(tgt, memory, memory_mask=~src_pad[:, None, None, :])
     real = ~src_pad
     assert (memory[real] - ref_memory[real]).abs().max().item() <= 1e-5
     assert (out - ref_out).abs().max().item() <= 1e-5
@@ -276,17 +277,17 @@ def test_decoder_without_cross_attention_and_weights() -> None:
     cfg = BlockConfig(d_model=16, n_heads=4, dropout=0.0, norm_placement="pre")
     gpt = Decoder(cfg, 3, final_norm=True, cross_attention=False)
     x = torch.randn(2, 5, 16)
-    out, maps = gpt(x, return_weights=True)
+    out, maps = with_maps(gpt, x)
     assert out.shape == (2, 5, 16)
     assert len(maps.self_attn) == 3 and maps.cross_attn == []
     for w in maps.self_attn:
         assert w.shape == (2, 4, 5, 5)
         assert (w.triu(1) == 0).all()  # causal
     enc = Encoder(cfg, 2, final_norm=False)
-    _, enc_maps = enc(x, return_weights=True)
+    _, enc_maps = with_maps(enc, x)
     assert len(enc_maps.self_attn) == 2 and (enc_maps.self_attn[0].triu(1) > 0).any()  # bidirectional
     dec = Decoder(cfg, 2, final_norm=True)
-    _, dmaps = dec(x, torch.randn(2, 3, 16), return_weights=True)
+    _, dmaps = with_maps(dec, x, torch.randn(2, 3, 16))
     assert len(dmaps.cross_attn) == 2 and dmaps.cross_attn[0].shape == (2, 4, 5, 3)
     with pytest.raises(QkvError, match=r"pass the encoder output as memory"):
         dec(x)
@@ -314,6 +315,6 @@ def test_swiglu_block_runs_and_differs_from_relu() -> None:
     layer = EncoderLayer(cfg)
     assert layer.ffn.gate is not None
     x = torch.randn(2, 5, 16)
-    out, _ = layer(x)
+    out = layer(x)
     assert out.shape == x.shape and torch.isfinite(out).all()
     assert F.mse_loss(out, x).item() > 0

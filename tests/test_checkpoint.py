@@ -1,4 +1,4 @@
-"""Tests for qkv.training.checkpoint: atomic writes, pickle-free state, and clear load errors."""
+"""Tests for qkv.io.files and qkv.training.checkpoint: atomic writes, pickle-free state, clear load errors."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from qkv.errors import QkvError
+from qkv.io import files
 from qkv.training import checkpoint as ckpt
 from qkv.training import train_state
 
@@ -47,9 +48,9 @@ def _no_temp_files(directory: Path) -> bool:
 def test_atomic_write_replaces_and_leaves_no_temp(tmp_path: Path) -> None:
     """A successful write replaces the file and cleans up."""
     target = tmp_path / "a.json"
-    ckpt.atomic_write_json(target, {"x": 1})
-    ckpt.atomic_write_json(target, {"x": 2})
-    assert ckpt.load_json(target) == {"x": 2}
+    files.atomic_write_json(target, {"x": 1})
+    files.atomic_write_json(target, {"x": 2})
+    assert files.load_json(target) == {"x": 2}
     assert _no_temp_files(tmp_path)
 
 
@@ -57,16 +58,16 @@ def test_atomic_write_replaces_and_leaves_no_temp(tmp_path: Path) -> None:
 def test_atomic_write_failure_keeps_old_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str) -> None:
     """If the write dies before the rename, the old file is intact and no temp file remains."""
     target = tmp_path / "w.safetensors"
-    ckpt.atomic_save_safetensors(target, {"w": torch.ones(3)})
+    files.atomic_save_safetensors(target, {"w": torch.ones(3)})
 
     def boom(*args: object, **kwargs: object) -> None:
         raise OSError("simulated crash")
 
     monkeypatch.setattr(os, failing, boom)
     with pytest.raises(OSError, match="simulated crash"):
-        ckpt.atomic_save_safetensors(target, {"w": torch.zeros(3)})
+        files.atomic_save_safetensors(target, {"w": torch.zeros(3)})
     monkeypatch.undo()
-    assert torch.equal(ckpt.load_safetensors(target)["w"], torch.ones(3))
+    assert torch.equal(files.load_safetensors(target)["w"], torch.ones(3))
     assert _no_temp_files(tmp_path)
 
 
@@ -74,8 +75,8 @@ def test_save_safetensors_handles_tied_and_strided_tensors(tmp_path: Path) -> No
     """Shared storage (tied weights) and non-contiguous views are saved, not refused."""
     emb = torch.randn(5, 3)
     tensors = {"embed": emb, "lm_head": emb, "t": emb.t(), "row": emb[1]}
-    ckpt.atomic_save_safetensors(tmp_path / "m.safetensors", tensors, metadata={"note": "hi"})
-    loaded = ckpt.load_safetensors(tmp_path / "m.safetensors")
+    files.atomic_save_safetensors(tmp_path / "m.safetensors", tensors, metadata={"note": "hi"})
+    loaded = files.load_safetensors(tmp_path / "m.safetensors")
     for name, t in tensors.items():
         assert torch.equal(loaded[name], t), name
 
@@ -88,51 +89,51 @@ def test_refuses_torch_save_files(tmp_path: Path) -> None:
     pt = tmp_path / "model.pt"
     torch.save({"w": torch.ones(2)}, pt)
     with pytest.raises(QkvError) as info:
-        ckpt.load_safetensors(pt)
+        files.load_safetensors(pt)
     assert str(info.value) == f"refusing to load pickle file {pt}: qkv only reads safetensors and JSON"
     disguised = tmp_path / "model.safetensors"
     disguised.write_bytes(pt.read_bytes())
     with pytest.raises(QkvError, match=r"refusing to load pickle file .*model\.safetensors"):
-        ckpt.load_safetensors(disguised)
+        files.load_safetensors(disguised)
     legacy = tmp_path / "legacy.json"  # old non-zip torch.save format is a raw pickle stream
     torch.save({"w": 1}, legacy, _use_new_zipfile_serialization=False)
     with pytest.raises(QkvError, match="refusing to load pickle file"):
-        ckpt.load_json(legacy)
+        files.load_json(legacy)
 
 
 def test_truncated_and_garbage_safetensors(tmp_path: Path) -> None:
     """Malformed safetensors files name the file and the reason."""
     good = tmp_path / "good.safetensors"
-    ckpt.atomic_save_safetensors(good, {"w": torch.arange(100.0)})
+    files.atomic_save_safetensors(good, {"w": torch.arange(100.0)})
     truncated = tmp_path / "trunc.safetensors"
     truncated.write_bytes(good.read_bytes()[:-10])
     with pytest.raises(QkvError, match=r"trunc\.safetensors is not a valid safetensors file \(.+\)"):
-        ckpt.load_safetensors(truncated)
+        files.load_safetensors(truncated)
     cut_header = tmp_path / "cut.safetensors"
     cut_header.write_bytes(good.read_bytes()[:20])
     with pytest.raises(QkvError, match=r"cut\.safetensors is not a valid safetensors file \(header claims"):
-        ckpt.load_safetensors(cut_header)
+        files.load_safetensors(cut_header)
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(b"hello")
     with pytest.raises(QkvError, match="shorter than the 8-byte header length"):
-        ckpt.load_safetensors(garbage)
+        files.load_safetensors(garbage)
 
 
 def test_missing_and_malformed_json(tmp_path: Path) -> None:
     """Missing files and JSON syntax errors produce one-line messages with the line number."""
     with pytest.raises(QkvError, match=r"file not found: .*nope\.json"):
-        ckpt.load_json(tmp_path / "nope.json")
+        files.load_json(tmp_path / "nope.json")
     with pytest.raises(QkvError, match="file not found"):
-        ckpt.load_safetensors(tmp_path / "nope.safetensors")
+        files.load_safetensors(tmp_path / "nope.safetensors")
     bad = tmp_path / "bad.json"
     bad.write_text('{\n  "a": 1,\n  "b": \n}\n')
     with pytest.raises(QkvError) as info:
-        ckpt.load_json(bad)
+        files.load_json(bad)
     assert str(info.value).startswith(f"{bad} is not valid JSON (line 4: ")
     listed = tmp_path / "list.json"
     listed.write_text("[1, 2]")
     with pytest.raises(QkvError, match="must contain a JSON object"):
-        ckpt.load_json(listed)
+        files.load_json(listed)
 
 
 # --- optimizer and RNG state -----------------------------------------------------------------
@@ -144,13 +145,13 @@ def test_optimizer_state_round_trip_is_exact(tmp_path: Path) -> None:
     _train(model_a, opt_a, steps=3, seed=1)
     tensors, meta = train_state.optimizer_state_to_safetensors(opt_a)
     assert isinstance(opt_a.state_dict()["state"][0]["step"], torch.Tensor)
-    ckpt.atomic_save_safetensors(tmp_path / "o.safetensors", tensors)
-    ckpt.atomic_write_json(tmp_path / "o.json", meta)
+    files.atomic_save_safetensors(tmp_path / "o.safetensors", tensors)
+    files.atomic_write_json(tmp_path / "o.json", meta)
 
     model_b, opt_b = _model_and_opt(seed=123)  # different init: everything must come from disk
     model_b.load_state_dict(model_a.state_dict())
     sd = train_state.optimizer_state_from_safetensors(
-        ckpt.load_safetensors(tmp_path / "o.safetensors"), ckpt.load_json(tmp_path / "o.json")
+        files.load_safetensors(tmp_path / "o.safetensors"), files.load_json(tmp_path / "o.json")
     )
     opt_b.load_state_dict(sd)
     assert opt_b.param_groups[0]["betas"] == (0.8, 0.95)
@@ -244,7 +245,7 @@ def test_training_state_errors(tmp_path: Path) -> None:
     _train(model, opt, steps=1, seed=1)
     ckpt.save_training_state(run, model_state=model.state_dict(), optimizer=opt, extra={}, generators={})
     # Simulate a crash after the weights were rewritten but before the JSON was.
-    ckpt.atomic_save_safetensors(run / "last.safetensors", {"weight": torch.zeros(1, 4)})
+    files.atomic_save_safetensors(run / "last.safetensors", {"weight": torch.zeros(1, 4)})
     with pytest.raises(QkvError, match=r"inconsistent \(last.safetensors does not match last_state.json"):
         ckpt.load_training_state(run, opt, {})
 

@@ -23,14 +23,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import qkv.generation
-from qkv.cli import _TextStream, main
+from qkv.cli import main
+from qkv.cli.runs import _TextStream
 from qkv.config import DecoderLMConfig
 from qkv.data import load_shakespeare
+from qkv.data.text import prepare_text_data
 from qkv.errors import QkvError
+from qkv.io.files import atomic_save_safetensors
 from qkv.models import DecoderLM
-from qkv.training import TrainConfig, evaluate_loss, load, train
-from qkv.training.checkpoint import atomic_save_safetensors
-from qkv.training.dataset import prepare_text_data
+from qkv.tasks import load, train
+from qkv.tasks.lm import LMConfig
+from qkv.training import evaluate_loss
 
 TINY = {"model": {"n_layers": 1, "d_model": 32, "n_heads": 2}, "block_size": 32, "batch_size": 4,
         "eval_interval": 5, "eval_tokens": 2000, "sample_tokens": 0, "device": "cpu"}  # fmt: skip
@@ -87,7 +90,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def char_run(tmp_path_factory: pytest.TempPathFactory, files: dict[str, Path]) -> Path:
     """A finished 10-step char run on the 20,000-character excerpt (val split: 2,000 tokens)."""
     out = tmp_path_factory.mktemp("runs") / "char"
-    train(TrainConfig(data=str(files["excerpt"]), max_steps=10, out_dir=str(out), **TINY), verbose=False)
+    train(LMConfig(data=str(files["excerpt"]), max_steps=10, out_dir=str(out), **TINY), verbose=False)
     return out
 
 
@@ -96,7 +99,7 @@ def shakespeare_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-step char run on the full embedded Shakespeare corpus (batch 64 keeps its full-val eval short)."""
     out = tmp_path_factory.mktemp("runs") / "shakespeare"
     settings = {**TINY, "batch_size": 64, "eval_interval": 2}
-    train(TrainConfig(max_steps=2, out_dir=str(out), **settings), verbose=False)
+    train(LMConfig(max_steps=2, out_dir=str(out), **settings), verbose=False)
     return out
 
 
@@ -349,7 +352,7 @@ def test_generate_output_is_identical_without_the_cache(
     real_stream = qkv.generation.stream
 
     def spy(*args: Any, **kwargs: Any) -> Any:
-        used.append(args[7])  # use_cache, passed positionally by the CLI
+        used.append(args[5])  # use_cache, passed positionally by the CLI
         return real_stream(*args, **kwargs)
 
     monkeypatch.setattr(qkv.generation, "stream", spy)

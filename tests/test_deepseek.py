@@ -21,6 +21,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from qkv.attention import LatentKVCache, set_absorb
 from qkv.blocks.moe import MoEFeedForward
 from qkv.errors import QkvError
+from qkv.generation import Sampling, generate
 from qkv.interop import from_hf
 from qkv.interop.deepseek import from_hf_deepseek_v3
 
@@ -72,7 +73,7 @@ def test_logits_and_greedy_generation_match_transformers(
     set_absorb(model, False)
     prompt = ids[:1, :5]
     expected = hf.generate(prompt, max_new_tokens=20, do_sample=False)
-    assert torch.equal(model.generate(prompt, 20, temperature=0.0), expected)
+    assert torch.equal(generate(model, prompt, 20, Sampling(temperature=0.0)), expected)
     assert isinstance(model.new_cache()[0].self_attn, LatentKVCache)
 
 

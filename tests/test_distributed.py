@@ -29,10 +29,12 @@ from helpers import one_thread
 import qkv
 from qkv.config import DecoderLMConfig
 from qkv.data import load_shakespeare
+from qkv.data.text import prepare_text_data
+from qkv.io.files import load_safetensors
 from qkv.models import DecoderLM
-from qkv.training import TrainConfig, evaluate_loss, load, train
-from qkv.training.checkpoint import load_safetensors
-from qkv.training.dataset import prepare_text_data
+from qkv.tasks import load, train
+from qkv.tasks.lm import LMConfig
+from qkv.training import evaluate_loss
 from qkv.training.distributed import DistContext, gradient_sync, wrap_model
 
 SRC = str(Path(qkv.__file__).resolve().parents[1])  # the qkv under test, also in the launched processes
@@ -57,13 +59,13 @@ def _run(command: list[str], cwd: Path, **env: str) -> Finished:
     return subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=_env(**env), timeout=240)
 
 
-def _config(corpus: Path, out: Path, batch_size: int, **overrides: Any) -> TrainConfig:
+def _config(corpus: Path, out: Path, batch_size: int, **overrides: Any) -> LMConfig:
     """The in-process twin of `qkv train --data CORPUS ARGS --batch-size B --out-dir OUT`."""
-    model = {**TrainConfig().model, "n_layers": 1, "d_model": 32, "n_heads": 2, "dropout": 0.0}
+    model = {**LMConfig().model, "n_layers": 1, "d_model": 32, "n_heads": 2, "dropout": 0.0}
     settings: dict[str, Any] = {"data": str(corpus), "model": model, "block_size": 32, "batch_size": batch_size,
                                 "eval_interval": 5, "eval_tokens": 300, "sample_tokens": 0, "device": "cpu",
                                 "max_steps": STEPS, "out_dir": str(out)}  # fmt: skip
-    return TrainConfig(**{**settings, **overrides})
+    return LMConfig(**{**settings, **overrides})
 
 
 def _rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -135,7 +137,7 @@ def test_two_ddp_processes_equal_one_process_with_twice_the_batch(single: Path, 
     assert "2 processes (ddp), global batch 8" in stderr
     # The sharded validation loss equals the one-process protocol on the same weights, bit for bit.
     trained = load(run, "last")
-    data = prepare_text_data(trained.train_config.data, tokenizer=trained.tokenizer)
+    data = prepare_text_data(trained.config.data, tokenizer=trained.tokenizer)
     assert evaluate_loss(trained.model, data.val_ids, 32, 4, max_tokens=300) == _rows(run)[-1]["val_loss"]
 
 
@@ -165,7 +167,7 @@ def test_one_process_resumes_a_two_process_checkpoint(
     run = tmp_path / "run"
     shutil.copytree(crashed[0], run)
     with one_thread():
-        result = train(TrainConfig(out_dir=str(run), resume=True, max_steps=STEPS, device="cpu"), verbose=False)
+        result = train(LMConfig(out_dir=str(run), resume=True, max_steps=STEPS, device="cpu"), verbose=False)
     assert result.step == STEPS
     assert _max_diff(run, ddp[0]) < 1e-5
     assert _weights_diff(run, ddp[0]) < 1e-5

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qkv import DecoderLM, DecoderLMConfig, QkvError
-from qkv.generation import filter_logits, generate, sample_next, stream
+from qkv.generation import Sampling, filter_logits, generate, sample_next, stream
 
 
 @functools.cache
@@ -36,8 +36,8 @@ def test_greedy_is_identical_with_and_without_cache(positions: str, n_kv: int | 
     """temperature=0 (argmax) gives the same tokens whether or not the KV cache is used."""
     model = tiny_lm(positions, n_kv_heads=n_kv)
     prompt = torch.randint(0, 13, (3, 4))
-    cached = model.generate(prompt, 12, temperature=0.0, use_cache=True)
-    uncached = model.generate(prompt, 12, temperature=0.0, use_cache=False)
+    cached = generate(model, prompt, 12, Sampling(temperature=0.0), use_cache=True)
+    uncached = generate(model, prompt, 12, Sampling(temperature=0.0), use_cache=False)
     assert cached.shape == (3, 16)
     assert torch.equal(cached[:, :4], prompt)
     assert torch.equal(cached, uncached)
@@ -61,17 +61,10 @@ def test_seeded_sampling_is_identical_with_and_without_cache(
     """With the same generator seed, sampling gives the same tokens with use_cache=True and False."""
     model = tiny_lm(positions)
     prompt = torch.randint(0, 13, (2, 3), generator=torch.Generator().manual_seed(seed))
-    outs = [
-        model.generate(
-            prompt, 10, temperature=temperature, top_k=top_k, top_p=top_p, use_cache=use_cache,
-            generator=torch.Generator().manual_seed(seed),
-        )
-        for use_cache in (True, False)
-    ]  # fmt: skip
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    outs = [generate(model, prompt, 10, sampling, use_cache=use_cache) for use_cache in (True, False)]
     assert torch.equal(outs[0], outs[1])
-    again = model.generate(
-        prompt, 10, temperature=temperature, top_k=top_k, top_p=top_p, generator=torch.Generator().manual_seed(seed)
-    )
+    again = generate(model, prompt, 10, sampling)
     assert torch.equal(again, outs[0])  # seeded: reproducible
 
 
@@ -79,8 +72,8 @@ def test_generation_past_max_positions_crops_the_context_identically() -> None:
     """Beyond max_positions the window slides; cached and uncached runs still agree."""
     model = tiny_lm("learned")
     prompt = torch.randint(0, 13, (2, 20))
-    cached = model.generate(prompt, 10, temperature=0.0, use_cache=True)
-    uncached = model.generate(prompt, 10, temperature=0.0, use_cache=False)
+    cached = generate(model, prompt, 10, Sampling(temperature=0.0), use_cache=True)
+    uncached = generate(model, prompt, 10, Sampling(temperature=0.0), use_cache=False)
     assert cached.shape == (2, 30)
     assert torch.equal(cached, uncached)
     with torch.no_grad():
@@ -94,10 +87,8 @@ def test_rows_that_emitted_eos_keep_emitting_eos(use_cache: bool) -> None:
     model = tiny_lm("learned", vocab=4, sharpen=False)  # near-uniform over 4 tokens: eos comes early, and goes
     eos = 2
     prompt = torch.tensor([[0, 1], [1, 0], [3, 3], [0, 0], [1, 1], [3, 0]])
-    plain = model.generate(prompt, 15, temperature=2.0, generator=torch.Generator().manual_seed(0))
-    with_eos = model.generate(
-        prompt, 15, temperature=2.0, eos_id=eos, use_cache=use_cache, generator=torch.Generator().manual_seed(0)
-    )
+    plain = generate(model, prompt, 15, Sampling(temperature=2.0, seed=0))
+    with_eos = generate(model, prompt, 15, Sampling(temperature=2.0, seed=0), eos_id=eos, use_cache=use_cache)
     new_plain, new_eos = plain[:, 2:], with_eos[:, 2:]
     n = new_eos.shape[1]
     assert 1 <= n <= 15
@@ -119,10 +110,10 @@ def test_eos_stops_generation_when_every_row_is_done() -> None:
     """With greedy decoding and eos = the first greedy token of every row, one step is produced."""
     model = tiny_lm("learned")
     prompt = torch.tensor([[4, 5, 6]])
-    first = int(model.generate(prompt, 1, temperature=0.0)[0, -1])
-    out = model.generate(prompt, 10, temperature=0.0, eos_id=first)
+    first = int(generate(model, prompt, 1, Sampling(temperature=0.0))[0, -1])
+    out = generate(model, prompt, 10, Sampling(temperature=0.0), eos_id=first)
     assert out.tolist() == [[4, 5, 6, first]]
-    steps = list(stream(model, prompt, 10, temperature=0.0, eos_id=first))
+    steps = list(stream(model, prompt, 10, Sampling(temperature=0.0), eos_id=first))
     assert len(steps) == 1
 
 
@@ -152,10 +143,10 @@ def test_filter_logits_top_k_and_top_p() -> None:
 def test_sample_next() -> None:
     """temperature 0 is argmax; top_k=1 is argmax too; sampling follows the softmax."""
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, -1.0]])
-    assert sample_next(logits, temperature=0.0).tolist() == [1, 0]
-    assert sample_next(logits, temperature=1.0, top_k=1).tolist() == [1, 0]
+    assert sample_next(logits, Sampling(temperature=0.0)).tolist() == [1, 0]
+    assert sample_next(logits, Sampling(temperature=1.0, top_k=1)).tolist() == [1, 0]
     gen = torch.Generator().manual_seed(0)
-    draws = torch.stack([sample_next(logits[:1], generator=gen) for _ in range(4000)]).flatten()
+    draws = torch.stack([sample_next(logits[:1], Sampling(), gen) for _ in range(4000)]).flatten()
     freq = torch.bincount(draws, minlength=3).float() / 4000
     expected = torch.softmax(logits[0], -1)
     assert torch.allclose(freq, expected, atol=0.03)
@@ -176,15 +167,15 @@ def test_sample_next() -> None:
 def test_bad_generation_options(kwargs: dict, match: str) -> None:
     """Nonsensical sampling options raise QkvError naming the option."""
     model = tiny_lm("learned")
-    args = {"max_new_tokens": 3, **kwargs}
+    max_new_tokens = kwargs.pop("max_new_tokens", 3)
     with pytest.raises(QkvError, match=match):
-        model.generate(torch.zeros(1, 2, dtype=torch.long), **args)
+        generate(model, torch.zeros(1, 2, dtype=torch.long), max_new_tokens, Sampling(**kwargs))
 
 
 def test_bad_prompt() -> None:
     """An empty or 1-D prompt is refused."""
     model = tiny_lm("learned")
     with pytest.raises(QkvError, match=r"the prompt must be a non-empty \(B, T\) tensor"):
-        model.generate(torch.zeros(1, 0, dtype=torch.long), 3)
+        generate(model, torch.zeros(1, 0, dtype=torch.long), 3)
     with pytest.raises(QkvError, match=r"the prompt must be a non-empty \(B, T\) tensor"):
-        model.generate(torch.zeros(3, dtype=torch.long), 3)
+        generate(model, torch.zeros(3, dtype=torch.long), 3)

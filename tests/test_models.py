@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import with_maps
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -269,10 +270,10 @@ def test_transformer_embeddings_scale_and_positions() -> None:
     assert model.src_embed.tokens is not model.tgt_embed.tokens  # different vocabularies
 
 
-def test_decoder_lm_return_weights_and_maps() -> None:
-    """return_weights gives per-layer causal maps whose rows sum to 1."""
+def test_decoder_lm_recorded_attention_maps() -> None:
+    """Recording the attention gives per-layer causal maps whose rows sum to 1."""
     model = tiny_lm("learned")
-    logits, maps = model(torch.randint(0, 23, (2, 6)), return_weights=True)
+    logits, maps = with_maps(model, torch.randint(0, 23, (2, 6)))
     assert logits.shape == (2, 6, 23)
     assert len(maps.self_attn) == 2
     for w in maps.self_attn:

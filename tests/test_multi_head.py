@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import with_weights
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
@@ -57,7 +58,7 @@ def test_mha_matches_torch_with_key_padding_mask(d_model: int, n_heads: int, bia
     key_padding = torch.tensor([[0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 1, 1], [0, 1, 0, 0, 1, 1]], dtype=torch.bool)
     with torch.no_grad():
         expected, expected_w = ref(x, x, x, key_padding_mask=key_padding, need_weights=True)
-        out, weights = mha(x, mask=~key_padding[:, None, None, :], return_weights=True)
+        out, weights = with_weights(mha, x, mask=~key_padding[:, None, None, :])
     assert weights.shape == (3, n_heads, 6, 6)
     assert (out - expected).abs().max().item() <= 1e-5
     assert (weights.mean(1) - expected_w).abs().max().item() <= 1e-5
@@ -72,7 +73,7 @@ def test_mha_matches_torch_with_causal_mask(bias: bool) -> None:
     not_allowed = torch.ones(7, 7, dtype=torch.bool).triu(1)
     with torch.no_grad():
         expected, expected_w = ref(x, x, x, attn_mask=not_allowed, need_weights=True)
-        out, weights = mha(x, causal=True, return_weights=True)
+        out, weights = with_weights(mha, x, causal=True)
         out_masked = mha(x, mask=causal_mask(7))
         out_fused = mha(x, causal=True)
     for o in (out, out_masked, out_fused):
@@ -90,7 +91,7 @@ def test_mha_cross_attention_matches_torch(t_q: int, t_k: int) -> None:
     key_padding[1, -1] = True
     with torch.no_grad():
         expected, expected_w = ref(x, ctx, ctx, key_padding_mask=key_padding, need_weights=True)
-        out, weights = mha(x, context=ctx, mask=~key_padding[:, None, None, :], return_weights=True)
+        out, weights = with_weights(mha, x, context=ctx, mask=~key_padding[:, None, None, :])
         out_fused = mha(x, context=ctx, mask=~key_padding[:, None, None, :])
     assert weights.shape == (2, 2, t_q, t_k)
     assert (out - expected).abs().max().item() <= 1e-5
@@ -138,8 +139,8 @@ def test_gqa_equals_mha_with_repeated_kv_heads(n_heads: int, n_kv_heads: int) ->
     x = torch.randn(2, 5, d_model)
     mask = padding_mask_from_lengths([5, 3])
     with torch.no_grad():
-        out_g, w_g = gqa(x, mask=mask, causal=True, return_weights=True)
-        out_m, w_m = mha(x, mask=mask, causal=True, return_weights=True)
+        out_g, w_g = with_weights(gqa, x, mask=mask, causal=True)
+        out_m, w_m = with_weights(mha, x, mask=mask, causal=True)
         ctx = torch.randn(2, 3, d_model)
         cross_g, cross_m = gqa(x, context=ctx), mha(x, context=ctx)
         # Without weights the fused path runs; GQA folds query groups onto shared K/V heads where no mask
@@ -183,8 +184,8 @@ def test_self_attention_is_permutation_equivariant(t: int, heads: tuple[int, int
     with torch.no_grad():
         out = mha(x)
         out_perm = mha(x[:, perm])
-        _, w = mha(x, return_weights=True)
-        _, w_perm = mha(x[:, perm], return_weights=True)
+        _, w = with_weights(mha, x)
+        _, w_perm = with_weights(mha, x[:, perm])
     assert (out_perm - out[:, perm]).abs().max().item() <= 1e-5
     assert (w_perm - w[:, :, perm][:, :, :, perm]).abs().max().item() <= 1e-5
 
@@ -202,8 +203,8 @@ def test_causal_self_attention_ignores_the_future(t: int, data: st.DataObject, s
     with torch.no_grad():
         for backend_weights in (False, True):
             if backend_weights:
-                out_x, _ = mha(x, causal=True, return_weights=True)
-                out_y, _ = mha(y, causal=True, return_weights=True)
+                out_x, _ = with_weights(mha, x, causal=True)
+                out_y, _ = with_weights(mha, y, causal=True)
             else:
                 out_x, out_y = mha(x, causal=True), mha(y, causal=True)
             assert (out_x[:, : p + 1] - out_y[:, : p + 1]).abs().max().item() <= 1e-6
@@ -215,7 +216,7 @@ def test_mha_weights_rows_sum_to_one_with_padding() -> None:
     mha = MultiHeadAttention(16, 4).eval()
     x = torch.randn(2, 5, 16)
     with torch.no_grad():
-        _, w = mha(x, mask=padding_mask_from_lengths([5, 2]), return_weights=True)
+        _, w = with_weights(mha, x, mask=padding_mask_from_lengths([5, 2]))
     assert torch.allclose(w.sum(-1), torch.ones(2, 4, 5), atol=1e-6)
     assert (w[1, :, :, 2:] == 0).all()
 

@@ -30,13 +30,16 @@ from safetensors import safe_open
 from qkv.attention import new_cache
 from qkv.config import DecoderLMConfig
 from qkv.data import eval_windows, load_shakespeare
+from qkv.data.text import prepare_text_data
 from qkv.errors import QkvError
-from qkv.generation import generate, stream
+from qkv.generation import Sampling, generate, stream
+from qkv.io import files
 from qkv.models import DecoderLM
-from qkv.training import TrainConfig, evaluate_loss, load, train
+from qkv.tasks import load, train
+from qkv.tasks.lm import LMConfig
 from qkv.training import checkpoint as ckpt
-from qkv.training.dataset import prepare_text_data
-from qkv.training.trainer import make_optimizer
+from qkv.training import evaluate_loss
+from qkv.training.optim import make_optimizer
 
 MODEL = {"n_layers": 1, "d_model": 32, "n_heads": 2, "dropout": 0.1}
 TINY_ARGS = ["--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--dropout", "0.1", "--block-size", "32",
@@ -56,16 +59,16 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def _tiny_config(corpus: Path, out_dir: Path, max_steps: int, **overrides: Any) -> TrainConfig:
+def _tiny_config(corpus: Path, out_dir: Path, max_steps: int, **overrides: Any) -> LMConfig:
     """The in-process twin of `qkv train --data CORPUS TINY_ARGS --max-steps N --out-dir OUT`.
 
     Like the CLI, the --n-layers etc. values are laid over the default recipe's model fields.
     """
-    model = {**TrainConfig().model, **MODEL}
+    model = {**LMConfig().model, **MODEL}
     settings: dict[str, Any] = {"data": str(corpus), "model": model, "block_size": 32, "batch_size": 4,
                                 "eval_interval": 5, "eval_tokens": 2000, "sample_tokens": 0, "device": "cpu",
                                 "max_steps": max_steps, "out_dir": str(out_dir)}  # fmt: skip
-    return TrainConfig(**{**settings, **overrides})
+    return LMConfig(**{**settings, **overrides})
 
 
 def _rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -188,7 +191,7 @@ def test_python_api_resume_keeps_the_stored_schedule(tmp_path: Path, reference: 
     shutil.copytree(reference(40), run)
     with one_thread():
         result = train(out_dir=str(run), resume=True, device="cpu", verbose=False)
-    assert result.step == 40  # not stretched to TrainConfig's default of 2000 steps
+    assert result.step == 40  # not stretched to LMConfig's default of 600 steps
     assert json.loads((run / "config.json").read_text())["training"]["max_steps"] == 40
 
 
@@ -216,7 +219,7 @@ def test_save_that_fails_midway_keeps_a_loadable_checkpoint(tmp_path: Path, monk
     """os.replace failing at any point of a save leaves one consistent checkpoint: the old one, or the new one."""
     torch.manual_seed(0)
     model = _tiny_lm()
-    opt = make_optimizer(model, TrainConfig())
+    opt = make_optimizer(model, LMConfig())
     gen = torch.Generator().manual_seed(5)
     run = tmp_path / "run"
     _step(model, opt, gen)
@@ -248,7 +251,7 @@ def test_save_that_fails_midway_keeps_a_loadable_checkpoint(tmp_path: Path, monk
             monkeypatch.undo()
             break
         monkeypatch.undo()
-        state, extra = ckpt.load_training_state(run, make_optimizer(_tiny_lm(), TrainConfig()),
+        state, extra = ckpt.load_training_state(run, make_optimizer(_tiny_lm(), LMConfig()),
                                                 {"data": torch.Generator()})  # fmt: skip
         outcomes.append(extra["step"])
         expected = old_weights if extra["step"] == 1 else new_weights
@@ -257,7 +260,7 @@ def test_save_that_fails_midway_keeps_a_loadable_checkpoint(tmp_path: Path, monk
             assert {p.name: p.read_bytes() for p in run.iterdir()} == old_files, fail_at
         else:  # committed: loading finished moving the new files into place
             assert sorted(p.name for p in run.iterdir()) == sorted(old_files), fail_at
-            assert torch.equal(ckpt.load_safetensors(run / "last.safetensors")["lm_head.weight"],
+            assert torch.equal(files.load_safetensors(run / "last.safetensors")["lm_head.weight"],
                                new_weights["lm_head.weight"])  # fmt: skip
         assert not [p.name for p in run.iterdir() if p.name.startswith(".") or p.name.endswith(".tmp")]
         _save(run, _restore(model, old_weights), opt, gen, step=1)  # back to the old checkpoint for the next case
@@ -344,7 +347,7 @@ def test_run_directory_contents(reference: _References) -> None:
                 json.loads(line)
         else:
             assert path.suffix == ".png", path.name
-        assert path.suffix not in ckpt.PICKLE_SUFFIXES, path.name
+        assert path.suffix not in files.PICKLE_SUFFIXES, path.name
     for name in ("model.safetensors", "last.safetensors", "last_optim.safetensors"):
         assert safetensors.torch.load_file(run / name)  # parses as safetensors, not merely named so
 
@@ -356,13 +359,12 @@ def test_cached_generation_matches_uncached_on_a_trained_run(reference: _Referen
     """Greedy and seeded sampling give the same tokens with and without the cache, past the 32-token context."""
     run = load(reference(40))
     ids = run.tokenizer.encode_tensor("ROMEO:\n")[None].repeat(2, 1)
-    greedy = [generate(run.model, ids, 40, temperature=0.0, use_cache=c) for c in (True, False)]
+    greedy = [generate(run.model, ids, 40, Sampling(temperature=0.0), use_cache=c) for c in (True, False)]
     assert greedy[0].shape == (2, 7 + 40)
     assert torch.equal(greedy[0], greedy[1])
     for top_k, top_p in ((None, None), (10, None), (None, 0.9)):
         sampled = [
-            generate(run.model, ids, 40, 0.8, top_k, top_p, use_cache=c, generator=torch.Generator().manual_seed(3))
-            for c in (True, False)
+            generate(run.model, ids, 40, Sampling(0.8, top_k, top_p, seed=3), use_cache=c) for c in (True, False)
         ]
         assert torch.equal(sampled[0], sampled[1]), (top_k, top_p)
         assert not torch.equal(sampled[0], greedy[0])  # really sampled
@@ -391,11 +393,12 @@ class _ScriptedLM:
 def test_rows_stop_independently_at_eos(use_cache: bool) -> None:
     """A row that produced eos only yields eos afterwards; generation ends when every row has."""
     model = _ScriptedLM()
-    steps = list(stream(model, torch.ones(3, 2, dtype=torch.long), 8, temperature=0.0, eos_id=0, use_cache=use_cache))
+    steps = list(stream(model, torch.ones(3, 2, dtype=torch.long), 8, Sampling(temperature=0.0), eos_id=0,
+                        use_cache=use_cache))  # fmt: skip
     assert torch.stack(steps, 1).tolist() == [[5, 0, 0, 0, 0], [3, 4, 0, 0, 0], [7, 7, 7, 7, 0]]
     assert model.calls == 5  # stopped at the fifth step, not max_new_tokens = 8
-    sampled = list(stream(_ScriptedLM(), torch.ones(3, 1, dtype=torch.long), 8, temperature=1.0, eos_id=0,
-                          use_cache=use_cache, generator=torch.Generator().manual_seed(0)))  # fmt: skip
+    sampled = list(stream(_ScriptedLM(), torch.ones(3, 1, dtype=torch.long), 8, Sampling(temperature=1.0, seed=0),
+                          eos_id=0, use_cache=use_cache))  # fmt: skip
     assert torch.stack(sampled, 1).tolist() == [[5, 0, 0, 0, 0], [3, 4, 0, 0, 0], [7, 7, 7, 7, 0]]
 
 
@@ -440,7 +443,7 @@ def test_ctrl_c_saves_a_resumable_checkpoint_and_exits_130(tmp_path: Path, corpu
     assert "validation loss" in stdout
 
     with one_thread():
-        result = train(TrainConfig(out_dir=str(out), resume=True, max_steps=step + 3, device="cpu"), verbose=False)
+        result = train(LMConfig(out_dir=str(out), resume=True, max_steps=step + 3, device="cpu"), verbose=False)
     assert result.step == step + 3 and not result.interrupted
     assert [r["step"] for r in result.metrics][-2:] == [step, step + 3]
     assert _state_step(out) == step + 3
@@ -459,7 +462,7 @@ def test_prepare_text_data_splits_by_characters(corpus: Path) -> None:
 @pytest.mark.slow
 def test_compiled_training_matches_eager(tmp_path: Path, corpus: Path) -> None:
     """--compile (inductor's C++ kernels on the CPU) takes the same steps as eager, to fp32 reassociation."""
-    model = {**TrainConfig().model, **MODEL, "dropout": 0.0}  # compiled dropout draws from its own RNG
+    model = {**LMConfig().model, **MODEL, "dropout": 0.0}  # compiled dropout draws from its own RNG
     rows = {}
     for compile_ in (False, True):
         out = tmp_path / f"compile-{compile_}"

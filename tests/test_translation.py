@@ -10,10 +10,14 @@ from typing import Any
 import pytest
 import torch
 
-from qkv.attention import MultiHeadAttention
+from qkv.attention import MultiHeadAttention, record_attention
 from qkv.cli import main
-from qkv.training.checkpoint import load_safetensors
-from qkv.translation import TranslateConfig, train_translation
+from qkv.io.files import load_safetensors
+from qkv.models import Transformer
+from qkv.tasks import load, train
+from qkv.tasks.toy import SPECIALS, CopyConfig, ReverseConfig, ToyTask, random_sequences
+from qkv.tasks.translate import TranslateConfig
+from qkv.training import TrainResult
 from qkv.translation.batching import make_batch, source_tensor
 from qkv.translation.corpus import (
     DE_EN_COUNT,
@@ -30,7 +34,6 @@ from qkv.translation.corpus import (
 )
 from qkv.translation.decoding import beam_search, gnmt_coverage_penalty, gnmt_length_penalty, greedy_decode
 from qkv.translation.step import label_smoothed_loss
-from qkv.translation.toy import SPECIALS, ToyResult, random_sequences, toy_model, train_toy
 
 SP = SPECIALS
 
@@ -92,10 +95,28 @@ def test_label_smoothed_loss_matches_hand_computation() -> None:
 # ---------------------------------------------------------------------------------------------- toy tasks
 
 
+class ToyResult:
+    """A toy run's result and its trained model (the last weights)."""
+
+    def __init__(self, result: TrainResult) -> None:
+        self.result, self.model = result, load(result.run_dir, "last").model
+        self.train_seconds = result.metrics[-1]["train_s"]
+        self.exact_match = result.final["val_exact_match"]
+
+    def __repr__(self) -> str:
+        return f"ToyResult({self.result.final}, {self.train_seconds:.1f} s)"
+
+
+def toy_model(n_symbols: int = 10, d_model: int = 64) -> Transformer:
+    """An untrained model of the copy task's shape."""
+    return ToyTask(CopyConfig(n_symbols=n_symbols, model={"d_model": d_model})).build_model()
+
+
 @pytest.fixture(scope="module")
-def copy_run() -> ToyResult:
+def copy_run(tmp_path_factory: pytest.TempPathFactory) -> ToyResult:
     """The copy task, trained once for this module (also serves the decoding tests)."""
-    return train_toy("copy", steps=300)
+    out = tmp_path_factory.mktemp("copy") / "run"
+    return ToyResult(train(CopyConfig(max_steps=300, out_dir=str(out)), verbose=False))
 
 
 def test_copy_task_is_learned_exactly(copy_run: ToyResult) -> None:
@@ -103,8 +124,8 @@ def test_copy_task_is_learned_exactly(copy_run: ToyResult) -> None:
     assert copy_run.exact_match == 1.0, copy_run
 
 
-def test_reverse_task_is_learned_exactly() -> None:
-    result = train_toy("reverse", steps=300)
+def test_reverse_task_is_learned_exactly(tmp_path: Path) -> None:
+    result = ToyResult(train(ReverseConfig(max_steps=300, out_dir=str(tmp_path / "run")), verbose=False))
     assert result.train_seconds <= 60.0
     assert result.exact_match == 1.0, result
 
@@ -171,6 +192,7 @@ def test_wide_beam_finds_the_best_scoring_sequence(beta: float) -> None:
     bias[SP.eos], bias[SP.pad], bias[SP.bos] = 4.0, -20.0, -20.0
     model.generator.register_forward_hook(lambda module, inputs, logits: logits + bias)
     vocab, max_len, alpha = 6, 3, 0.6
+    last_cross = f"decoder.layers.{len(model.decoder.layers) - 1}.cross_attn"
     gen = torch.Generator().manual_seed(1)
     for src_len in (2, 3, 4, 5, 6):
         src = source_tensor(random_sequences(1, src_len, 3, gen), SP)  # (1, S)
@@ -181,9 +203,11 @@ def test_wide_beam_finds_the_best_scoring_sequence(beta: float) -> None:
             best, best_score = None, -math.inf
             for out in outputs:
                 tgt_in = torch.tensor([[SP.bos, *out[:-1]]])
-                logits, maps = model.decode(tgt_in, memory, return_weights=True)
+                with record_attention(model, only=last_cross) as recorder:  # as beam search records it
+                    logits = model.decode(tgt_in, memory)
                 log_p = logits.log_softmax(-1)[0, torch.arange(len(out)), torch.tensor(out)].sum()
-                coverage = maps.cross_attn[-1][0].mean(0).sum(0)  # (S,): attention each source token received
+                cross = recorder.weights_of(last_cross)[0]  # (1, H, T, S)
+                coverage = cross[0].mean(0).sum(0)  # (S,): attention each source token received
                 no_pad = torch.zeros_like(coverage, dtype=torch.bool)
                 score = log_p / gnmt_length_penalty(torch.tensor(len(out)), alpha)
                 score = float(score + gnmt_coverage_penalty(coverage, no_pad, beta))
@@ -267,16 +291,16 @@ def tiny_corpus(monkeypatch: pytest.MonkeyPatch) -> None:
     """Train on 300 pairs and validate on 20, so a whole run takes seconds."""
     full = split_de_en()
     small = Splits(train=full.train[:300], val=full.val[:20], test=full.test[:20])
-    monkeypatch.setattr("qkv.translation.trainer.split_de_en", lambda: small)
+    monkeypatch.setattr("qkv.tasks.translate.split_de_en", lambda: small)
 
 
 def test_resume_takes_the_same_steps(tmp_path: Path, tiny_corpus: None, capsys: pytest.CaptureFixture[str]) -> None:
     tiny: dict[str, Any] = dict(vocab_size=300, model={"d_model": 32, "n_heads": 2, "d_ff": 64, "n_encoder_layers": 1,
-                "n_decoder_layers": 1}, batch_tokens=200, max_steps=4, eval_interval=2, device="cpu")  # fmt: skip
-    whole = train_translation(TranslateConfig(**tiny, max_time=1e4, out_dir=str(tmp_path / "a")), verbose=False)
-    cut = train_translation(TranslateConfig(**tiny, max_time=1e-3, out_dir=str(tmp_path / "b")), verbose=False)
+                "n_decoder_layers": 1}, batch_size=200, max_steps=4, eval_interval=2, device="cpu")  # fmt: skip
+    whole = train(TranslateConfig(**tiny, max_time=1e4, out_dir=str(tmp_path / "a")), verbose=False)
+    cut = train(TranslateConfig(**tiny, max_time=1e-3, out_dir=str(tmp_path / "b")), verbose=False)
     assert cut.step == 1  # the time budget stopped it after one step, with a checkpoint
-    resumed = train_translation(TranslateConfig(**tiny, max_time=1e4, out_dir=str(tmp_path / "b"), resume=True))
+    resumed = train(TranslateConfig(**tiny, max_time=1e4, out_dir=str(tmp_path / "b"), resume=True))
     assert whole.step == resumed.step == 4
     a, b = (load_safetensors(tmp_path / d / "last.safetensors") for d in ("a", "b"))
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -306,8 +330,8 @@ def test_lab_attention_map_of_a_translation_run(tmp_path: Path, tiny_corpus: Non
     from qkv.lab.attention_map import attention_map
 
     tiny: dict[str, Any] = dict(vocab_size=300, model={"d_model": 32, "n_heads": 2, "d_ff": 64, "n_encoder_layers": 1,
-                "n_decoder_layers": 2}, batch_tokens=200, max_steps=2, eval_interval=2, device="cpu")  # fmt: skip
-    train_translation(TranslateConfig(**tiny, out_dir=str(tmp_path / "run")), verbose=False)
+                "n_decoder_layers": 2}, batch_size=200, max_steps=2, eval_interval=2, device="cpu")  # fmt: skip
+    train(TranslateConfig(**tiny, out_dir=str(tmp_path / "run")), verbose=False)
     result = attention_map(tmp_path / "run", "Wie geht es dir?")
     kinds = [m.kind for m in result.maps]
     assert kinds == ["encoder", "decoder", "decoder", "cross", "cross"]

@@ -1,28 +1,93 @@
-"""qkv: the Transformer, complete — a readable reference implementation that is fast and verified."""
+"""qkv: the Transformer, complete — a readable reference implementation that is fast and verified.
 
-from qkv.attention import MultiHeadAttention, scaled_dot_product_attention
-from qkv.config import BlockConfig, DecoderLMConfig, EncoderConfig, ModelConfig, TransformerConfig
-from qkv.errors import QkvError
-from qkv.interop import from_hf
-from qkv.models import DecoderLM, EncoderModel, Transformer
-from qkv.training import TrainConfig, load, train
+`import qkv` is light: each name below is imported from its room on first use, so `import qkv.attention`
+(or the `qkv` command's help) loads only what it needs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+# Public name → the module that defines it.
+_EXPORTS = {
+    "scaled_dot_product_attention": "qkv.attention",
+    "MultiHeadAttention": "qkv.attention",
+    "record_attention": "qkv.attention",
+    "BlockConfig": "qkv.config",
+    "DecoderLMConfig": "qkv.config",
+    "EncoderConfig": "qkv.config",
+    "ModelConfig": "qkv.config",
+    "TransformerConfig": "qkv.config",
+    "QkvError": "qkv.errors",
+    "Sampling": "qkv.generation",
+    "generate": "qkv.generation",
+    "DecoderLM": "qkv.models",
+    "EncoderModel": "qkv.models",
+    "Transformer": "qkv.models",
+    "from_hf": "qkv.interop",
+    "save_hf": "qkv.interop",
+    "train": "qkv.tasks",
+    "load": "qkv.tasks",
+    "LMConfig": "qkv.tasks.lm",
+    "MLMConfig": "qkv.tasks.mlm",
+    "TranslateConfig": "qkv.tasks.translate",
+    "CopyConfig": "qkv.tasks.toy",
+    "ReverseConfig": "qkv.tasks.toy",
+}
+
+if TYPE_CHECKING:
+    from qkv.attention import MultiHeadAttention, record_attention, scaled_dot_product_attention
+    from qkv.config import BlockConfig, DecoderLMConfig, EncoderConfig, ModelConfig, TransformerConfig
+    from qkv.errors import QkvError
+    from qkv.generation import Sampling, generate
+    from qkv.interop import from_hf, save_hf
+    from qkv.models import DecoderLM, EncoderModel, Transformer
+    from qkv.tasks import load, train
+    from qkv.tasks.lm import LMConfig
+    from qkv.tasks.mlm import MLMConfig
+    from qkv.tasks.toy import CopyConfig, ReverseConfig
+    from qkv.tasks.translate import TranslateConfig
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name from its module the first time it is used."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'qkv' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    """The public names, for tab completion."""
+    return sorted([*_EXPORTS, "__version__"])
+
+
 __all__ = [
     "BlockConfig",
+    "CopyConfig",
     "DecoderLM",
     "DecoderLMConfig",
     "EncoderConfig",
     "EncoderModel",
+    "LMConfig",
+    "MLMConfig",
     "ModelConfig",
     "MultiHeadAttention",
     "QkvError",
-    "TrainConfig",
+    "ReverseConfig",
+    "Sampling",
     "Transformer",
     "TransformerConfig",
+    "TranslateConfig",
     "from_hf",
+    "generate",
     "load",
+    "record_attention",
+    "save_hf",
     "scaled_dot_product_attention",
     "train",
 ]

@@ -1,4 +1,4 @@
-"""`qkv bench NAME [options]`: run one of the repository's benchmark scripts (benchmarks/NAME.py) by its main(argv).
+"""The repository's benchmark scripts (benchmarks/NAME.py), loaded by name for `qkv bench NAME`.
 
 The scripts live beside src/, not in the package (they are meant to be read and run by hand too), so they are
 loaded by path from the source checkout; an installed qkv without the repository has none to run.
@@ -6,7 +6,6 @@ loaded by path from the source checkout; an installed qkv without the repository
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import sys
@@ -34,16 +33,6 @@ def save_report(path: str | None, report: Any) -> None:
             json.dump(report, f, indent=2)
 
 
-def register(sub: Any) -> None:
-    """Add `qkv bench NAME [args...]` to the `qkv` sub-parsers."""
-    p = sub.add_parser("bench", help="run a benchmark: " + ", ".join(BENCHMARKS),
-                       description="Run benchmarks/NAME.py; options after NAME go to the benchmark "
-                                   "(qkv bench NAME --help lists them).")  # fmt: skip
-    p.set_defaults(handler=_cmd_bench)
-    p.add_argument("name", metavar="NAME", help=" | ".join(BENCHMARKS))
-    p.add_argument("args", nargs=argparse.REMAINDER, metavar="...", help="the benchmark's own options")
-
-
 def load_benchmark(name: str, directory: Path = BENCHMARKS_DIR) -> Any:
     """The benchmark script `name` imported as a module (not run: its `__main__` guard stays closed)."""
     if name not in BENCHMARKS:
@@ -58,17 +47,3 @@ def load_benchmark(name: str, directory: Path = BENCHMARKS_DIR) -> Any:
     sys.modules[spec.name] = module  # dataclasses (and pickling) look a class's module up in sys.modules
     spec.loader.exec_module(module)
     return module
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    """Run the benchmark's main(argv); its own usage errors keep their exit code (2)."""
-    module = load_benchmark(args.name)
-    argv0 = sys.argv[0]
-    sys.argv[0] = f"qkv bench {args.name}"  # the script's argparse names itself after argv[0] in usage and errors
-    try:
-        code = module.main(list(args.args))
-    except SystemExit as e:  # argparse inside the script: --help (0) or a bad option (2), message already printed
-        return e.code if isinstance(e.code, int) else 1
-    finally:
-        sys.argv[0] = argv0
-    return int(code or 0)

@@ -44,6 +44,25 @@ class BlockConfig:
     norm: Literal["layer", "rms", "batch"] = "layer"
     norm_placement: NormPlacement = "post"
     norm_eps: float = 1e-5
+    # Multi-head latent attention (DeepSeek-V2/V3, qkv.attention.latent) for self-attention; the next fields apply to
+    # "mla" only, which needs rotary positions. Cross-attention is always multi-head attention.
+    attention: Literal["mha", "mla"] = "mha"
+    kv_lora_rank: int | None = None  # d_c, the cached latent's width; None = 4 · d_head (DeepSeek-V2's ratio)
+    q_lora_rank: int | None = None  # the query latent's width; None = no query compression
+    qk_nope_head_dim: int | None = None  # per-head q/k dims without positions; None = d_head
+    qk_rope_head_dim: int | None = None  # per-head decoupled RoPE dims (even); None = d_head / 2
+    v_head_dim: int | None = None  # None = d_head
+    mla_absorb: bool = False  # attend against the cached latent, W_UK and W_UV folded into query and output
+    # Mixture-of-experts feed-forward (DeepSeek-V3, qkv.blocks.moe); moe_experts = 0 keeps every FFN dense.
+    moe_experts: int = 0  # routed experts per MoE layer
+    moe_top_k: int = 2  # routed experts each token uses
+    moe_shared_experts: int = 1  # experts every token uses
+    moe_d_ff: int | None = None  # each expert's hidden width; None = d_ff
+    moe_groups: int = 1  # expert groups for group-limited routing
+    moe_topk_groups: int = 1  # groups a token may route into
+    moe_norm_topk: bool = True  # renormalise the top-k gates to sum to 1
+    moe_scale: float = 1.0  # multiplier on the routed experts' gates (DeepSeek's routed_scaling_factor)
+    moe_first_dense: int = 0  # the first layers keep a dense FFN (DeepSeek's first_k_dense_replace)
 
     def __post_init__(self) -> None:
         """Validate every field; messages name the field and the rule."""
@@ -67,6 +86,8 @@ class BlockConfig:
                 raise QkvError(f"{name} must be in [0, 1), got {p}")
         if self.norm_eps <= 0:
             raise QkvError(f"norm_eps must be positive, got {self.norm_eps}")
+        _check_latent_attention(self)
+        _check_moe(self)
 
     @property
     def attn_dropout(self) -> float:
@@ -116,13 +137,14 @@ class ModelConfig(BlockConfig):
             raise QkvError(f"sinusoidal positions need an even d_model, got {self.d_model}")
         if self.positions == "rotary" and self.d_head % 2:
             raise QkvError(f"rotary positions need an even head dim, got d_model/n_heads={self.d_head}")
+        _check_latent_positions(self)
         if self.final_norm is None:
             self.final_norm = self.norm_placement == "pre"
 
     @property
     def rotary_dim(self) -> int:
-        """The dims per head that RoPE rotates: the whole head."""
-        return self.d_head
+        """The dims per head that RoPE rotates: the whole head, or MLA's decoupled qk_rope_head_dim part."""
+        return self.qk_rope_head_dim if self.attention == "mla" and self.qk_rope_head_dim else self.d_head
 
 
 @dataclass(kw_only=True)
@@ -132,35 +154,6 @@ class DecoderLMConfig(ModelConfig):
     norm_placement: NormPlacement = "pre"
     activation: Activation = "gelu"
     dropout: float = 0.0
-    # Multi-head latent attention (DeepSeek-V2/V3, qkv.attention.latent); these fields apply to "mla" only.
-    attention: Literal["mha", "mla"] = "mha"
-    kv_lora_rank: int | None = None  # d_c, the cached latent's width; None = 4 · d_head (DeepSeek-V2's ratio)
-    q_lora_rank: int | None = None  # the query latent's width; None = no query compression
-    qk_nope_head_dim: int | None = None  # per-head q/k dims without positions; None = d_head
-    qk_rope_head_dim: int | None = None  # per-head decoupled RoPE dims (even); None = d_head / 2
-    v_head_dim: int | None = None  # None = d_head
-    mla_absorb: bool = False  # attend against the cached latent, W_UK and W_UV folded into query and output
-    # Mixture-of-experts feed-forward (DeepSeek-V3, qkv.blocks.moe); moe_experts = 0 keeps every FFN dense.
-    moe_experts: int = 0  # routed experts per MoE layer
-    moe_top_k: int = 2  # routed experts each token uses
-    moe_shared_experts: int = 1  # experts every token uses
-    moe_d_ff: int | None = None  # each expert's hidden width; None = d_ff
-    moe_groups: int = 1  # expert groups for group-limited routing
-    moe_topk_groups: int = 1  # groups a token may route into
-    moe_norm_topk: bool = True  # renormalise the top-k gates to sum to 1
-    moe_scale: float = 1.0  # multiplier on the routed experts' gates (DeepSeek's routed_scaling_factor)
-    moe_first_dense: int = 0  # the first layers keep a dense FFN (DeepSeek's first_k_dense_replace)
-
-    def __post_init__(self) -> None:
-        """Validate, then the attention and mixture-of-experts fields."""
-        super().__post_init__()
-        _check_latent_attention(self)
-        _check_moe(self)
-
-    @property
-    def rotary_dim(self) -> int:
-        """The RoPE dims per head: MLA rotates only its decoupled qk_rope_head_dim part."""
-        return self.qk_rope_head_dim if self.attention == "mla" and self.qk_rope_head_dim else self.d_head
 
 
 @dataclass(kw_only=True)
@@ -171,6 +164,7 @@ class EncoderConfig(ModelConfig):
     type_vocab_size: int = 2  # 0 = no token-type (segment) embeddings
     embedding_norm: bool = True  # BERT normalises the summed embeddings
     pooler: bool = True  # tanh(W · h_[CLS]) as the sequence representation
+    mlm_head: bool = False  # BERT's masked-LM head: transform (dense, activation, norm), then the tied output layer
 
     def __post_init__(self) -> None:
         """Validate, then check the encoder-only fields."""
@@ -212,6 +206,7 @@ class TransformerConfig(BlockConfig):
         if self.positions == "sinusoidal" and self.d_model % 2:
             raise QkvError(f"sinusoidal positions need an even d_model, got {self.d_model}")
         _check_position_offset(self)
+        _check_latent_positions(self)
         if self.final_norm is None:
             self.final_norm = self.norm_placement == "pre"
 
@@ -263,16 +258,20 @@ def _check_position_offset(cfg: ModelConfig | TransformerConfig) -> None:
         raise QkvError(f"position_offset={cfg.position_offset} must be ≥ 0 and needs learned positions")
 
 
-def _check_latent_attention(cfg: DecoderLMConfig) -> None:
-    """MLA's fields: only with attention='mla', which needs rotary positions; fill the None defaults."""
+def _check_latent_positions(cfg: ModelConfig | TransformerConfig) -> None:
+    """MLA carries positions in its decoupled RoPE key, so it needs rotary positions."""
+    if cfg.attention == "mla" and cfg.positions != "rotary":
+        raise QkvError(f"attention='mla' needs positions='rotary' (its decoupled RoPE key), got {cfg.positions!r}")
+
+
+def _check_latent_attention(cfg: BlockConfig) -> None:
+    """MLA's fields: only with attention='mla'; fill the None defaults."""
     fields = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mla_absorb")
     if cfg.attention != "mla":
         stray = [name for name in fields if getattr(cfg, name) not in (None, False)]
         if stray:
             raise QkvError(f"{', '.join(stray)} only apply to attention='mla' (got attention={cfg.attention!r})")
         return
-    if cfg.positions != "rotary":
-        raise QkvError(f"attention='mla' needs positions='rotary' (its decoupled RoPE key), got {cfg.positions!r}")
     if cfg.n_kv_heads is not None:
         raise QkvError("n_kv_heads does not apply to attention='mla': every head reads the one shared latent")
     defaults = {"kv_lora_rank": 4 * cfg.d_head, "qk_nope_head_dim": cfg.d_head,
@@ -287,7 +286,7 @@ def _check_latent_attention(cfg: DecoderLMConfig) -> None:
         raise QkvError(f"qk_rope_head_dim must be even (RoPE rotates pairs of dims), got {cfg.qk_rope_head_dim}")
 
 
-def _check_moe(cfg: DecoderLMConfig) -> None:
+def _check_moe(cfg: BlockConfig) -> None:
     """The mixture-of-experts fields, when moe_experts > 0; fill moe_d_ff."""
     if not isinstance(cfg.moe_experts, int) or cfg.moe_experts < 0:
         raise QkvError(f"moe_experts must be an integer ≥ 0 (0 = dense FFNs), got {cfg.moe_experts!r}")

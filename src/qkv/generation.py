@@ -8,6 +8,7 @@ tokens (tests check it), the cache just avoids O(T²) recomputation.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -39,72 +40,69 @@ def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None 
     return logits
 
 
-def sample_next(
-    logits: Tensor,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> Tensor:
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is picked: temperature (0 = greedy), top-k, top-p, and a seed for repeatable draws."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None  # None: PyTorch's global random generator
+
+    def __post_init__(self) -> None:
+        """Refuse options that make no sense, naming the option."""
+        if self.temperature < 0:
+            raise QkvError(f"temperature must be ≥ 0 (0 = greedy), got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise QkvError(f"top_k must be ≥ 1, got {self.top_k}")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise QkvError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        """A fresh generator seeded with `seed` on `device`, or None to use the global one."""
+        return None if self.seed is None else torch.Generator(device=device).manual_seed(self.seed)
+
+
+GREEDY = Sampling(temperature=0.0)
+
+
+def sample_next(logits: Tensor, sampling: Sampling, generator: torch.Generator | None = None) -> Tensor:
     """Next token ids (B,) from last-position logits (B, V); temperature 0 means greedy (argmax)."""
-    if temperature == 0.0:
+    if sampling.temperature == 0.0:
         return logits.argmax(dim=-1)
-    logits = filter_logits(logits.float() / temperature, top_k, top_p)
+    logits = filter_logits(logits.float() / sampling.temperature, sampling.top_k, sampling.top_p)
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
-
-
-def _check_options(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """Refuse sampling options that make no sense, naming the option."""
-    if max_new_tokens < 0:
-        raise QkvError(f"max_new_tokens must be ≥ 0, got {max_new_tokens}")
-    if temperature < 0:
-        raise QkvError(f"temperature must be ≥ 0 (0 = greedy), got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise QkvError(f"top_k must be ≥ 1, got {top_k}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise QkvError(f"top_p must be in (0, 1], got {top_p}")
 
 
 def stream(
     model: CausalLM,
     ids: Tensor,
     max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
+    sampling: Sampling = Sampling(),
     eos_id: int | None = None,
     use_cache: bool = True,
-    generator: torch.Generator | None = None,
-    max_positions: int | None = None,
 ) -> Iterator[Tensor]:
     """Yield the next token ids (B,) step by step; rows that produced eos_id keep yielding eos_id.
 
-    max_positions: the model's context; longer sequences are cropped to their last tokens, and
-    the cache is rebuilt from that window so cached and uncached runs stay identical.
-    Bad options raise QkvError here, at the call, not at the first next().
+    Sequences longer than the model's context (cfg.max_positions) are cropped to their last tokens,
+    and the cache is rebuilt from that window, so cached and uncached runs stay identical.
+    Bad arguments raise QkvError here, at the call, not at the first next().
     """
-    _check_options(max_new_tokens, temperature, top_k, top_p)
+    if max_new_tokens < 0:
+        raise QkvError(f"max_new_tokens must be ≥ 0, got {max_new_tokens}")
     if ids.dim() != 2 or ids.shape[1] == 0:
         raise QkvError(f"the prompt must be a non-empty (B, T) tensor of ids, got shape {tuple(ids.shape)}")
-    limit = max_positions or getattr(getattr(model, "cfg", None), "max_positions", None) or 1 << 30
-    return _stream(model, ids, max_new_tokens, temperature, top_k, top_p, eos_id, use_cache, generator, limit)
+    return _stream(model, ids, max_new_tokens, sampling, eos_id, use_cache)
 
 
 @torch.inference_mode()  # like no_grad, minus autograd's version counters and view tracking
 def _stream(
-    model: CausalLM,
-    ids: Tensor,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    eos_id: int | None,
-    use_cache: bool,
-    generator: torch.Generator | None,
-    limit: int,
+    model: CausalLM, ids: Tensor, max_new_tokens: int, sampling: Sampling, eos_id: int | None, use_cache: bool
 ) -> Iterator[Tensor]:
     """The generator behind stream (arguments already validated)."""
+    limit = getattr(getattr(model, "cfg", None), "max_positions", None) or 1 << 30
+    generator = sampling.generator(ids.device)
     finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     # Preallocated for the whole generation: the cache never regrows (and copies) on the way.
     capacity = min(limit, ids.shape[1] + max_new_tokens)
@@ -118,7 +116,7 @@ def _stream(
             next_input = seq[:, -limit:]
         logits = model(next_input, cache=cache)[:, -1]  # (B, V)
         cached += next_input.shape[1]
-        token = sample_next(logits, temperature, top_k, top_p, generator)
+        token = sample_next(logits, sampling, generator)
         if eos_id is not None:
             token = token.masked_fill(finished, eos_id)
             finished |= token == eos_id
@@ -133,13 +131,10 @@ def generate(
     model: CausalLM,
     ids: Tensor,
     max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
+    sampling: Sampling = Sampling(),
     eos_id: int | None = None,
     use_cache: bool = True,
-    generator: torch.Generator | None = None,
 ) -> Tensor:
     """ids (B, T) followed by up to max_new_tokens generated ids: (B, T + n)."""
-    steps = list(stream(model, ids, max_new_tokens, temperature, top_k, top_p, eos_id, use_cache, generator))
+    steps = list(stream(model, ids, max_new_tokens, sampling, eos_id, use_cache))
     return torch.cat([ids, torch.stack(steps, dim=1)], dim=1) if steps else ids

@@ -1,4 +1,5 @@
-"""Attention: scaled dot-product attention, masks, multi-head / grouped-query attention, KV caches."""
+"""Attention: scaled dot-product attention, masks, multi-head / grouped-query / latent attention, KV caches,
+and recording the attention weights."""
 
 from qkv.attention.cache import KVCache, LayerCache, cache_length, new_cache, reorder_cache
 from qkv.attention.latent import LatentAttention, LatentKVCache, set_absorb
@@ -10,9 +11,12 @@ from qkv.attention.masks import (
     sliding_window_mask,
 )
 from qkv.attention.multi_head import MultiHeadAttention
+from qkv.attention.record import AttentionRecord, AttentionRecorder, record_attention
 from qkv.attention.sdpa import scaled_dot_product_attention
 
 __all__ = [
+    "AttentionRecord",
+    "AttentionRecorder",
     "KVCache",
     "LatentAttention",
     "LatentKVCache",
@@ -24,6 +28,7 @@ __all__ = [
     "new_cache",
     "padding_mask_from_ids",
     "padding_mask_from_lengths",
+    "record_attention",
     "reorder_cache",
     "scaled_dot_product_attention",
     "set_absorb",

@@ -29,20 +29,21 @@ not cache. Weight names follow the paper: W_DQ = q_down, W_UQ/W_QR = q_up, W_DKV
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, overload
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from qkv.attention.cache import KVCache
 from qkv.attention.masks import causal_mask
+from qkv.attention.record import active_recorder
 from qkv.attention.sdpa import scaled_dot_product_attention
 from qkv.errors import QkvError
 from qkv.norms import RMSNorm
 from qkv.positional import apply_rotary
 
 if TYPE_CHECKING:
-    from qkv.config import DecoderLMConfig
+    from qkv.config import BlockConfig
 
 # DeepSeek normalises its latents with RMSNorm's default ε whatever the model's rms_norm_eps is.
 LATENT_NORM_EPS = 1e-6
@@ -122,6 +123,8 @@ class LatentKVCache(KVCache):
 class LatentAttention(nn.Module):
     """Multi-head latent attention: keys and values are decompressed from one cached low-rank latent per token."""
 
+    records_attention = True  # record_attention labels this module's weights with its name
+
     def __init__(
         self,
         d_model: int,
@@ -163,7 +166,7 @@ class LatentAttention(nn.Module):
         self.out_proj = nn.Linear(n_heads * v_head_dim, d_model, bias=bias)  # W_O
 
     @classmethod
-    def from_config(cls, cfg: DecoderLMConfig) -> LatentAttention:
+    def from_config(cls, cfg: BlockConfig) -> LatentAttention:
         """The LatentAttention a (validated) attention='mla' config describes."""
         assert cfg.kv_lora_rank and cfg.qk_nope_head_dim and cfg.qk_rope_head_dim and cfg.v_head_dim
         dims = (cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim)
@@ -178,29 +181,6 @@ class LatentAttention(nn.Module):
         w = self.kv_up.weight.view(self.n_heads, self.d_nope + self.d_v, self.kv_lora_rank)
         return w[:, : self.d_nope], w[:, self.d_nope :]
 
-    @overload
-    def forward(
-        self,
-        x: Tensor,
-        context: Tensor | None = ...,
-        mask: Tensor | None = ...,
-        causal: bool = ...,
-        cache: KVCache | None = ...,
-        return_weights: Literal[False] = ...,
-        rope: tuple[Tensor, Tensor] | None = ...,
-    ) -> Tensor: ...
-    @overload
-    def forward(
-        self,
-        x: Tensor,
-        context: Tensor | None = ...,
-        mask: Tensor | None = ...,
-        causal: bool = ...,
-        cache: KVCache | None = ...,
-        *,
-        return_weights: Literal[True],
-        rope: tuple[Tensor, Tensor] | None = ...,
-    ) -> tuple[Tensor, Tensor]: ...
     def forward(
         self,
         x: Tensor,
@@ -208,14 +188,13 @@ class LatentAttention(nn.Module):
         mask: Tensor | None = None,
         causal: bool = False,
         cache: KVCache | None = None,
-        return_weights: bool = False,
         rope: tuple[Tensor, Tensor] | None = None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    ) -> Tensor:
         """Self-attention of x (B, T, d_model) over the cached tokens and itself; MultiHeadAttention's signature.
 
         rope: (cos, sin) (T, d_r) for x's positions (required: MLA's positions live in its RoPE dims).
         cache: a LatentKVCache; this step's latent rows are appended to it.
-        Returns (B, T, d_model), and the weights (B, H, T, T_k) if asked.
+        Returns (B, T, d_model); inside `record_attention` the weights (B, H, T, T_k) are recorded.
         """
         if context is not None:
             raise QkvError("LatentAttention is self-attention only; use MultiHeadAttention for cross-attention")
@@ -244,16 +223,10 @@ class LatentAttention(nn.Module):
         if cache is not None:
             latent = cache.extend(latent)  # (B, 1, T_past + T, d_c + d_r)
         attend = self._absorbed if self.absorb else self._naive
-        context_vecs, weights = attend(q_nope, q_rope, latent, mask, causal, return_weights)  # (B, H, T, d_v)
-        out = self.out_proj(context_vecs.transpose(1, 2).reshape(b, t, self.n_heads * self.d_v))
-        if return_weights:
-            assert weights is not None
-            return out, weights
-        return out
+        context_vecs = attend(q_nope, q_rope, latent, mask, causal)  # (B, H, T, d_v)
+        return self.out_proj(context_vecs.transpose(1, 2).reshape(b, t, self.n_heads * self.d_v))
 
-    def _naive(
-        self, q_nope: Tensor, q_rope: Tensor, latent: Tensor, mask: Tensor | None, causal: bool, return_weights: bool
-    ) -> tuple[Tensor, Tensor | None]:
+    def _naive(self, q_nope: Tensor, q_rope: Tensor, latent: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
         """Decompress every cached token's K and V from its latent, then ordinary multi-head attention."""
         b, t_k = latent.shape[0], latent.shape[-2]
         c_kv, k_rope = latent.split([self.kv_lora_rank, self.d_rope], dim=-1)  # (B, 1, T_k, d_c), (B, 1, T_k, d_r)
@@ -261,17 +234,18 @@ class LatentAttention(nn.Module):
         k_nope, v = kv.split([self.d_nope, self.d_v], dim=-1)  # (B, H, T_k, d_nope), (B, H, T_k, d_v)
         k = torch.cat([k_nope, k_rope.expand(-1, self.n_heads, -1, -1)], dim=-1)  # (B, H, T_k, d_nope + d_r)
         q = torch.cat([q_nope, q_rope], dim=-1)  # (B, H, T_q, d_nope + d_r)
-        return self._sdpa(q, k, v, mask, causal, return_weights)
+        return self._sdpa(q, k, v, mask, causal)
 
-    def _absorbed(
-        self, q_nope: Tensor, q_rope: Tensor, latent: Tensor, mask: Tensor | None, causal: bool, return_weights: bool
-    ) -> tuple[Tensor, Tensor | None]:
+    def _absorbed(self, q_nope: Tensor, q_rope: Tensor, latent: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
         """Attend straight against the latents: W_UK folded into the query, W_UV applied after the mixing."""
         b, h, t_q, _ = q_nope.shape
         t_k, d_c = latent.shape[-2], self.kv_lora_rank
         w_uk, w_uv = self.up_weights()  # (H, d_nope, d_c), (H, d_v, d_c)
         q_latent = q_nope @ w_uk  # W_UK_hᵀ q_nope_h, batched over heads: (B, H, T_q, d_c)
         q = torch.cat([q_latent, q_rope], dim=-1)  # (B, H, T_q, d_c + d_r), against keys [c_KV; k_rope]
+        if active_recorder() is not None:  # recorded weights keep one row per head: broadcast K/V over the heads
+            mixed = self._sdpa(q, latent, latent[..., :d_c], mask, causal)  # (B, H, T_q, d_c)
+            return mixed @ w_uv.transpose(-1, -2)  # (B, H, T_q, d_v)
         # Every head reads the same keys and values, so fold the heads into the query axis: one
         # (H·T_q) × T_k product per sequence, with no copy of the cache per head (as multi-query attention).
         q = q.reshape(b, 1, h * t_q, d_c + self.d_rope)
@@ -280,18 +254,13 @@ class LatentAttention(nn.Module):
             mask = tri if mask is None else mask & tri
         if mask is not None:
             mask = mask.expand(b, h, t_q, t_k).reshape(b, 1, h * t_q, t_k)
-        mixed, weights = self._sdpa(q, latent, latent[..., :d_c], mask, False, return_weights)  # (B, 1, H·T_q, d_c)
-        context = mixed.view(b, h, t_q, d_c) @ w_uv.transpose(-1, -2)  # W_UV_h · Σ_t p_t c_t: (B, H, T_q, d_v)
-        return context, (weights.view(b, h, t_q, t_k) if weights is not None else None)
+        mixed = self._sdpa(q, latent, latent[..., :d_c], mask, False)  # (B, 1, H·T_q, d_c)
+        return mixed.view(b, h, t_q, d_c) @ w_uv.transpose(-1, -2)  # W_UV_h · Σ_t p_t c_t: (B, H, T_q, d_v)
 
-    def _sdpa(
-        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, return_weights: bool
-    ) -> tuple[Tensor, Tensor | None]:
+    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
         """qkv's scaled_dot_product_attention with MLA's scale (and dropout while training)."""
         dropout_p = self.dropout if self.training else 0.0
-        if return_weights:
-            return scaled_dot_product_attention(q, k, v, mask, causal, self.scale, dropout_p, return_weights=True)
-        return scaled_dot_product_attention(q, k, v, mask, causal, self.scale, dropout_p), None
+        return scaled_dot_product_attention(q, k, v, mask, causal, self.scale, dropout_p)
 
 
 def set_absorb(model: nn.Module, absorb: bool) -> int:

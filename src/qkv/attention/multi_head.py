@@ -10,11 +10,10 @@ attention), which shrinks the KV cache by n_heads / n_kv_heads.
 
 from __future__ import annotations
 
-from typing import Literal, overload
-
 from torch import Tensor, nn
 
 from qkv.attention.cache import KVCache
+from qkv.attention.record import active_recorder
 from qkv.attention.sdpa import scaled_dot_product_attention
 from qkv.errors import QkvError
 from qkv.positional import apply_rotary
@@ -22,6 +21,8 @@ from qkv.positional import apply_rotary
 
 class MultiHeadAttention(nn.Module):
     """Self- or cross-attention with n_heads query heads and n_kv_heads key/value heads."""
+
+    records_attention = True  # record_attention labels this module's weights with its name
 
     def __init__(
         self,
@@ -54,29 +55,6 @@ class MultiHeadAttention(nn.Module):
         b, t, _ = x.shape
         return x.view(b, t, n_heads, self.d_head).transpose(1, 2)
 
-    @overload
-    def forward(
-        self,
-        x: Tensor,
-        context: Tensor | None = ...,
-        mask: Tensor | None = ...,
-        causal: bool = ...,
-        cache: KVCache | None = ...,
-        return_weights: Literal[False] = ...,
-        rope: tuple[Tensor, Tensor] | None = ...,
-    ) -> Tensor: ...
-    @overload
-    def forward(
-        self,
-        x: Tensor,
-        context: Tensor | None = ...,
-        mask: Tensor | None = ...,
-        causal: bool = ...,
-        cache: KVCache | None = ...,
-        *,
-        return_weights: Literal[True],
-        rope: tuple[Tensor, Tensor] | None = ...,
-    ) -> tuple[Tensor, Tensor]: ...
     def forward(
         self,
         x: Tensor,
@@ -84,15 +62,14 @@ class MultiHeadAttention(nn.Module):
         mask: Tensor | None = None,
         causal: bool = False,
         cache: KVCache | None = None,
-        return_weights: bool = False,
         rope: tuple[Tensor, Tensor] | None = None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    ) -> Tensor:
         """Attend from x (B, T_q, d_model) to itself, or to `context` (B, T_k, d_context).
 
         mask: boolean, True = may attend, broadcastable to (B, H, T_q, T_k) (see qkv.attention.masks).
         cache: self-attention appends this step's keys/values; cross-attention fills it once.
         rope: (cos, sin) for the positions of x's tokens; rotates queries and keys (self-attention only).
-        Returns the output (B, T_q, d_model), and the weights (B, H, T_q, T_k) if asked.
+        Returns the output (B, T_q, d_model); inside `record_attention` the weights (B, H, T_q, T_k) are recorded.
         """
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise QkvError(f"attention input must be (B, T, d_model={self.d_model}), got {tuple(x.shape)}")
@@ -126,7 +103,7 @@ class MultiHeadAttention(nn.Module):
         # mask without causality); otherwise K/V are repeated per query head.
         fold = (
             group > 1
-            and not return_weights
+            and active_recorder() is None  # recorded weights keep one row per query head
             and (t_q == 1 or (not causal and (mask is None or mask.shape[-2] == 1)))
             and (mask is None or mask.dim() < 3 or mask.shape[-3] == 1)
         )
@@ -136,17 +113,12 @@ class MultiHeadAttention(nn.Module):
             k = k.repeat_interleave(group, dim=1)  # (B, H, T_k, D)
             v = v.repeat_interleave(group, dim=1)
         dropout_p = self.dropout if self.training else 0.0
-        if return_weights:
-            context_vecs, attn_weights = scaled_dot_product_attention(
-                q, k, v, mask=mask, causal=causal, dropout_p=dropout_p, return_weights=True
-            )
-        else:
-            context_vecs = scaled_dot_product_attention(q, k, v, mask=mask, causal=causal and not fold,
-                                                        dropout_p=dropout_p)  # fmt: skip
+        context_vecs = scaled_dot_product_attention(q, k, v, mask=mask, causal=causal and not fold, dropout_p=dropout_p)
         if fold:
             context_vecs = context_vecs.reshape(b, self.n_heads, t_q, self.d_head)  # (B, H, T_q, D)
         # Concat(head_1, …, head_h): (B, H, T_q, D) → (B, T_q, H·D), then W_O.
-        out = self.out_proj(context_vecs.transpose(1, 2).reshape(b, t_q, self.n_heads * self.d_head))
-        if return_weights:
-            return out, attn_weights
-        return out
+        return self.out_proj(context_vecs.transpose(1, 2).reshape(b, t_q, self.n_heads * self.d_head))
+
+    def new_cache(self, capacity: int = 256) -> KVCache:
+        """An empty KV cache for this layer's keys and values."""
+        return KVCache(capacity)

@@ -6,8 +6,8 @@ the softmax into saturation (one-hot output, vanishing gradient). Dividing by �
 variance back to 1 whatever the head size (`qkv lab variance` measures this).
 
 Two paths sit behind one function:
-- the *reference* path spells the formula out (scores → mask → softmax → weights @ V) and can
-  return the attention weights;
+- the *reference* path spells the formula out (scores → mask → softmax → weights @ V); inside
+  `record_attention()` it is the path taken, and it hands the scores and weights to the recorder;
 - the *fused* path calls `torch.nn.functional.scaled_dot_product_attention`, which never
   materialises the (T_q, T_k) weight matrix on its memory-efficient kernels.
 They compute the same numbers; tests hold them to 1e-5 in fp32.
@@ -16,13 +16,14 @@ They compute the same numbers; tests hold them to 1e-5 in fp32.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, overload
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from qkv.attention.masks import causal_mask
+from qkv.attention.record import active_recorder
 from qkv.errors import QkvError
 
 Backend = Literal["auto", "reference", "fused"]
@@ -74,31 +75,6 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> None:
         raise QkvError(f"mask leading dims {tuple(mask.shape[:-2])} do not broadcast to q's {tuple(q.shape[:-2])}")
 
 
-@overload
-def scaled_dot_product_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor | None = ...,
-    causal: bool = ...,
-    scale: float | None = ...,
-    dropout_p: float = ...,
-    return_weights: Literal[False] = ...,
-    backend: Backend = ...,
-) -> Tensor: ...
-@overload
-def scaled_dot_product_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor | None = ...,
-    causal: bool = ...,
-    scale: float | None = ...,
-    dropout_p: float = ...,
-    *,
-    return_weights: Literal[True],
-    backend: Backend = ...,
-) -> tuple[Tensor, Tensor]: ...
 def scaled_dot_product_attention(
     q: Tensor,
     k: Tensor,
@@ -107,28 +83,28 @@ def scaled_dot_product_attention(
     causal: bool = False,
     scale: float | None = None,
     dropout_p: float = 0.0,
-    return_weights: bool = False,
     backend: Backend = "auto",
-) -> Tensor | tuple[Tensor, Tensor]:
+) -> Tensor:
     """softmax(q kᵀ · scale) v for q (..., T_q, d_k), k (..., T_k, d_k), v (..., T_k, d_v).
 
     mask: boolean, True = may attend, broadcastable to (..., T_q, T_k).
     causal: query i sees keys j ≤ i + (T_k − T_q), i.e. the triangle is aligned to the end of the
         keys, as when the keys hold a KV cache followed by the new queries.
     scale: defaults to 1/√d_k; 1.0 gives the unscaled dot product.
-    return_weights: also return the attention weights (..., T_q, T_k); forces the reference path.
-    backend: "auto" (fused unless weights are requested), "reference" or "fused".
+    backend: "auto" (fused unless attention is being recorded), "reference" or "fused".
+    Returns the context vectors (..., T_q, d_v). To see the weights, run it inside `record_attention()`.
     A query whose keys are all masked gets a zero output (and zero gradient), never NaN.
     """
     _check_inputs(q, k, v, mask)
     if backend not in ("auto", "reference", "fused"):
         raise QkvError(f"unknown attention backend {backend!r}; choose one of: auto, reference, fused")
-    if return_weights and backend == "fused":
-        raise QkvError("the fused backend cannot return attention weights; use backend='reference'")
+    recorder = active_recorder()
+    if recorder is not None and backend == "fused":
+        raise QkvError("the fused backend cannot record attention weights; use backend='reference'")
     t_q, t_k = q.shape[-2], k.shape[-2]
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    use_reference = return_weights or backend == "reference"
+    use_reference = recorder is not None or backend == "reference"
     if causal and t_q == 1:
         causal = False  # the single newest query sees every key: nothing to mask
     # A square causal mask alone goes to PyTorch's dedicated causal kernel; anything else is explicit.
@@ -143,34 +119,28 @@ def scaled_dot_product_attention(
         row_visible = mask.any(dim=-1, keepdim=True)  # (..., T_q, 1)
         mask = mask | ~row_visible
 
-    if use_reference:
-        context, attn_weights = _reference_attention(q, k, v, mask, scale, dropout_p)
-    else:
+    if not use_reference:
         context = _fused_attention(q, k, v, mask, fused_is_causal, scale, dropout_p)
-        attn_weights = None
+        return context if row_visible is None else context * row_visible
+    attn_scores, attn_weights = _reference_weights(q, k, mask, scale)
     if row_visible is not None:
-        context = context * row_visible
-        if attn_weights is not None:
-            attn_weights = attn_weights * row_visible
-    if return_weights:
-        assert attn_weights is not None
-        return context, attn_weights
+        attn_weights = attn_weights * row_visible
+    if recorder is not None:
+        recorder.add(attn_scores, attn_weights)
+    if dropout_p > 0.0:
+        attn_weights = F.dropout(attn_weights, p=dropout_p)
+    context = attn_weights @ v  # (..., T_q, d_v): each query's weighted mix of the values
     return context
 
 
-def _reference_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, dropout_p: float
-) -> tuple[Tensor, Tensor]:
-    """The formula, step by step; returns (context, attention weights)."""
+def _reference_weights(q: Tensor, k: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+    """The formula, step by step, up to the softmax: (attention scores, attention weights)."""
     attn_scores = (q @ k.transpose(-2, -1)) * scale  # (..., T_q, T_k)
     if mask is not None:
         # -inf would make exp() exactly 0; every row has a visible key here, so no NaN can appear.
         attn_scores = attn_scores.masked_fill(~mask, float("-inf"))
     attn_weights = torch.softmax(attn_scores, dim=-1)  # rows sum to 1
-    if dropout_p > 0.0:
-        attn_weights = F.dropout(attn_weights, p=dropout_p)
-    context = attn_weights @ v  # (..., T_q, d_v)
-    return context, attn_weights
+    return attn_scores, attn_weights
 
 
 def _fused_attention(

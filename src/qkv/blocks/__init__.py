@@ -2,11 +2,10 @@
 
 from qkv.blocks.dropout import Dropout
 from qkv.blocks.feed_forward import FeedForward
-from qkv.blocks.layers import AttentionMaps, Decoder, DecoderLayer, Encoder, EncoderLayer
+from qkv.blocks.layers import Decoder, DecoderLayer, Encoder, EncoderLayer
 from qkv.blocks.residual import ResidualNorm
 
 __all__ = [
-    "AttentionMaps",
     "Decoder",
     "DecoderLayer",
     "Dropout",

@@ -3,45 +3,44 @@
 EncoderLayer = self-attention + feed-forward. DecoderLayer = masked (causal) self-attention +
 cross-attention over the encoder output + feed-forward; without cross-attention it is the
 GPT block, which is how `DecoderLM` is built. Each sublayer sits in a ResidualNorm.
+Which attention and which feed-forward a layer has is declared in its BlockConfig
+(`attention="mla"`, `moe_experts`), whatever model the layer belongs to.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import cast
 
 from torch import Tensor, nn
 
-from qkv.attention import LayerCache, MultiHeadAttention
+from qkv.attention import KVCache, LayerCache, MultiHeadAttention
 from qkv.attention.latent import LatentAttention
 from qkv.blocks.feed_forward import FeedForward
 from qkv.blocks.moe import MoEFeedForward
 from qkv.blocks.residual import ResidualNorm
-from qkv.config import BlockConfig, DecoderLMConfig
+from qkv.config import BlockConfig
 from qkv.errors import QkvError
 from qkv.norms import make_norm
 
 Rope = tuple[Tensor, Tensor] | None
 
 
-@dataclass
-class AttentionMaps:
-    """Attention weights per layer, each (B, H, T_q, T_k); filled only when asked for."""
-
-    self_attn: list[Tensor] = field(default_factory=list)
-    cross_attn: list[Tensor] = field(default_factory=list)
-
-
-def _attention(cfg: BlockConfig) -> MultiHeadAttention | LatentAttention:
-    """A MultiHeadAttention shaped by the block config (LatentAttention for attention='mla')."""
-    if isinstance(cfg, DecoderLMConfig) and cfg.attention == "mla":
+def _self_attention(cfg: BlockConfig) -> MultiHeadAttention | LatentAttention:
+    """The self-attention the block config declares: multi-head (grouped-query) or latent (attention='mla')."""
+    if cfg.attention == "mla":
         return LatentAttention.from_config(cfg)
+    return _cross_attention(cfg)
+
+
+def _cross_attention(cfg: BlockConfig) -> MultiHeadAttention:
+    """Multi-head attention shaped by the block config (cross-attention is always this kind)."""
     return MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, bias=cfg.bias, dropout=cfg.attn_dropout)
 
 
 def _feed_forward(cfg: BlockConfig, index: int = 0) -> FeedForward | MoEFeedForward:
     """A FeedForward shaped by the block config (a mixture of experts past the config's first dense layers)."""
     assert cfg.d_ff is not None
-    if isinstance(cfg, DecoderLMConfig) and cfg.moe_experts and index >= cfg.moe_first_dense:
+    if cfg.moe_experts and index >= cfg.moe_first_dense:
         return MoEFeedForward.from_config(cfg)
     return FeedForward(cfg.d_model, cfg.d_ff, cfg.activation, cfg.dropout, cfg.bias)
 
@@ -49,26 +48,17 @@ def _feed_forward(cfg: BlockConfig, index: int = 0) -> FeedForward | MoEFeedForw
 class EncoderLayer(nn.Module):
     """Self-attention (every token sees every unmasked token) then feed-forward."""
 
-    def __init__(self, cfg: BlockConfig) -> None:
+    def __init__(self, cfg: BlockConfig, index: int = 0) -> None:
         super().__init__()
-        self.self_attn = _attention(cfg)
+        self.self_attn = _self_attention(cfg)
         self.attn_residual = ResidualNorm(cfg)
-        self.ffn = _feed_forward(cfg)
+        self.ffn = _feed_forward(cfg, index)  # index: which layer of the stack this is
         self.ffn_residual = ResidualNorm(cfg)
 
-    def forward(
-        self, x: Tensor, mask: Tensor | None = None, rope: Rope = None, return_weights: bool = False
-    ) -> tuple[Tensor, Tensor | None]:
-        """(B, T, d_model) → (B, T, d_model), and the self-attention weights if asked."""
-        h = self.attn_residual.before(x)
-        attn_weights = None
-        if return_weights:
-            attn_out, attn_weights = self.self_attn(h, mask=mask, rope=rope, return_weights=True)
-        else:
-            attn_out = self.self_attn(h, mask=mask, rope=rope)
-        x = self.attn_residual.after(x, attn_out)
-        x = self.ffn_residual.after(x, self.ffn(self.ffn_residual.before(x)))
-        return x, attn_weights
+    def forward(self, x: Tensor, mask: Tensor | None = None, rope: Rope = None) -> Tensor:
+        """(B, T, d_model) → (B, T, d_model)."""
+        x = self.attn_residual.after(x, self.self_attn(self.attn_residual.before(x), mask=mask, rope=rope))
+        return self.ffn_residual.after(x, self.ffn(self.ffn_residual.before(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -76,12 +66,16 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: BlockConfig, cross_attention: bool = True, index: int = 0) -> None:
         super().__init__()
-        self.self_attn = _attention(cfg)
+        self.self_attn = _self_attention(cfg)
         self.self_residual = ResidualNorm(cfg)
-        self.cross_attn = _attention(cfg) if cross_attention else None
+        self.cross_attn = _cross_attention(cfg) if cross_attention else None
         self.cross_residual = ResidualNorm(cfg) if cross_attention else None
         self.ffn = _feed_forward(cfg, index)  # index: which layer of the stack this is
         self.ffn_residual = ResidualNorm(cfg)
+
+    def new_cache(self, capacity: int = 256) -> LayerCache:
+        """This layer's empty cache: its self-attention's own kind (latent for MLA), and a cross-attention K/V."""
+        return LayerCache(self.self_attn.new_cache(capacity), KVCache(capacity))
 
     def forward(
         self,
@@ -91,33 +85,18 @@ class DecoderLayer(nn.Module):
         memory_mask: Tensor | None = None,
         cache: LayerCache | None = None,
         rope: Rope = None,
-        return_weights: bool = False,
-    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """(B, T, d_model) → (B, T, d_model), plus self- and cross-attention weights if asked."""
+    ) -> Tensor:
+        """(B, T, d_model) → (B, T, d_model)."""
         self_cache = cache.self_attn if cache is not None else None
         h = self.self_residual.before(x)
-        self_weights = cross_weights = None
-        if return_weights:
-            out, self_weights = self.self_attn(
-                h, mask=self_mask, causal=True, cache=self_cache, rope=rope, return_weights=True
-            )
-        else:
-            out = self.self_attn(h, mask=self_mask, causal=True, cache=self_cache, rope=rope)
-        x = self.self_residual.after(x, out)
+        x = self.self_residual.after(x, self.self_attn(h, mask=self_mask, causal=True, cache=self_cache, rope=rope))
         if self.cross_attn is not None and self.cross_residual is not None:
             if memory is None:
                 raise QkvError("this decoder layer has cross-attention: pass the encoder output as memory")
             cross_cache = cache.cross_attn if cache is not None else None
             h = self.cross_residual.before(x)
-            if return_weights:
-                out, cross_weights = self.cross_attn(
-                    h, context=memory, mask=memory_mask, cache=cross_cache, return_weights=True
-                )
-            else:
-                out = self.cross_attn(h, context=memory, mask=memory_mask, cache=cross_cache)
-            x = self.cross_residual.after(x, out)
-        x = self.ffn_residual.after(x, self.ffn(self.ffn_residual.before(x)))
-        return x, self_weights, cross_weights
+            x = self.cross_residual.after(x, self.cross_attn(h, context=memory, mask=memory_mask, cache=cross_cache))
+        return self.ffn_residual.after(x, self.ffn(self.ffn_residual.before(x)))
 
 
 class Encoder(nn.Module):
@@ -125,19 +104,14 @@ class Encoder(nn.Module):
 
     def __init__(self, cfg: BlockConfig, n_layers: int, final_norm: bool) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(n_layers))
+        self.layers = nn.ModuleList(EncoderLayer(cfg, i) for i in range(n_layers))
         self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, bias=cfg.bias) if final_norm else None
 
-    def forward(
-        self, x: Tensor, mask: Tensor | None = None, rope: Rope = None, return_weights: bool = False
-    ) -> tuple[Tensor, AttentionMaps]:
+    def forward(self, x: Tensor, mask: Tensor | None = None, rope: Rope = None) -> Tensor:
         """(B, T, d_model) → (B, T, d_model) encoder output ("memory")."""
-        maps = AttentionMaps()
         for layer in self.layers:
-            x, weights = layer(x, mask=mask, rope=rope, return_weights=return_weights)
-            if weights is not None:
-                maps.self_attn.append(weights)
-        return (self.norm(x) if self.norm is not None else x), maps
+            x = layer(x, mask=mask, rope=rope)
+        return self.norm(x) if self.norm is not None else x
 
 
 class Decoder(nn.Module):
@@ -148,6 +122,10 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, cross_attention, i) for i in range(n_layers))
         self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, bias=cfg.bias) if final_norm else None
 
+    def new_cache(self, capacity: int = 256) -> list[LayerCache]:
+        """An empty cache per layer: each self-attention's own kind (latent for MLA), and a cross-attention K/V."""
+        return [cast(DecoderLayer, layer).new_cache(capacity) for layer in self.layers]
+
     def forward(
         self,
         x: Tensor,
@@ -156,17 +134,9 @@ class Decoder(nn.Module):
         memory_mask: Tensor | None = None,
         cache: list[LayerCache] | None = None,
         rope: Rope = None,
-        return_weights: bool = False,
-    ) -> tuple[Tensor, AttentionMaps]:
+    ) -> Tensor:
         """(B, T, d_model) → (B, T, d_model); `cache` holds one LayerCache per layer."""
-        maps = AttentionMaps()
         for i, layer in enumerate(self.layers):
             layer_cache = cache[i] if cache is not None else None
-            x, self_w, cross_w = layer(
-                x, memory, self_mask, memory_mask, cache=layer_cache, rope=rope, return_weights=return_weights
-            )
-            if self_w is not None:
-                maps.self_attn.append(self_w)
-            if cross_w is not None:
-                maps.cross_attn.append(cross_w)
-        return (self.norm(x) if self.norm is not None else x), maps
+            x = layer(x, memory, self_mask, memory_mask, cache=layer_cache, rope=rope)
+        return self.norm(x) if self.norm is not None else x

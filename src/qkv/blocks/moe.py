@@ -28,7 +28,7 @@ from qkv.blocks.feed_forward import FeedForward
 from qkv.errors import QkvError
 
 if TYPE_CHECKING:
-    from qkv.config import DecoderLMConfig
+    from qkv.config import BlockConfig
 
 
 class MoEFeedForward(nn.Module):
@@ -67,7 +67,7 @@ class MoEFeedForward(nn.Module):
         self.shared = FeedForward(d_model, d_ff * n_shared, activation, dropout, bias) if n_shared else None
 
     @classmethod
-    def from_config(cls, cfg: DecoderLMConfig) -> MoEFeedForward:
+    def from_config(cls, cfg: BlockConfig) -> MoEFeedForward:
         """The MoE layer a (validated) config with moe_experts > 0 describes."""
         assert cfg.moe_d_ff is not None
         return cls(cfg.d_model, cfg.moe_d_ff, cfg.moe_experts, cfg.moe_top_k, cfg.moe_shared_experts,

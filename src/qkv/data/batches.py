@@ -27,37 +27,42 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
-def random_batch(
-    data: torch.Tensor,
-    block_size: int,
-    batch_size: int,
-    generator: torch.Generator,
-    device: torch.device | str = "cpu",
-    rows: slice | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample `batch_size` random windows: x is (B, T) int64 tokens, y is x shifted left by one.
+def random_starts(n_tokens: int, block_size: int, count: int, generator: torch.Generator) -> torch.Tensor:
+    """`count` random window starts in [0, n_tokens − block_size − 1], so each window of T + 1 tokens fits.
 
-    rows: keep only these rows of the sampled batch (a data-parallel rank's share of the global batch);
-    the generator advances by the whole batch either way, so every rank stays in step.
+    Drawing them from the caller's generator (and nowhere else) makes a training run exactly reproducible
+    from its seed; one draw of 2B starts equals two draws of B, so micro-batches split a batch exactly.
     """
-    _check_sizes(data, block_size, batch_size)
-    n = len(data)
-    if n < block_size + 1:
+    if n_tokens < block_size + 1:
         raise QkvError(
-            f"block size {block_size} is larger than the data ({n} tokens): a window needs "
+            f"block size {block_size} is larger than the data ({n_tokens} tokens): a window needs "
             f"{block_size + 1} tokens; use a smaller block size or a longer text"
         )
-    # Start offsets in [0, n - T - 1], so each window of T + 1 tokens fits. Drawing them from the
-    # caller's generator (and nowhere else) makes a training run exactly reproducible from its seed.
-    starts = torch.randint(n - block_size, (batch_size,), generator=generator, device=generator.device)
-    if rows is not None:
-        starts = starts[rows]
+    return torch.randint(n_tokens - block_size, (count,), generator=generator, device=generator.device)
+
+
+def windows_at(
+    data: torch.Tensor, starts: torch.Tensor, block_size: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The windows at `starts`: x is (B, T) int64 tokens, y is x shifted left by one (the next tokens)."""
     # unfold gives a zero-copy (n - T, T + 1) view of all windows; indexing gathers only the B we need.
     windows = data.unfold(0, block_size + 1, 1)[starts.to(data.device)].to(torch.int64)
     x = windows[:, :-1].contiguous()
     y = windows[:, 1:].contiguous()
     device = torch.device(device)
     return _to_device(x, device), _to_device(y, device)
+
+
+def random_batch(
+    data: torch.Tensor,
+    block_size: int,
+    batch_size: int,
+    generator: torch.Generator,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample `batch_size` random windows: x is (B, T) int64 tokens, y is x shifted left by one."""
+    _check_sizes(data, block_size, batch_size)
+    return windows_at(data, random_starts(len(data), block_size, batch_size, generator), block_size, device)
 
 
 def eval_windows(data: torch.Tensor, block_size: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

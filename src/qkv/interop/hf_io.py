@@ -19,25 +19,23 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from qkv.config import Activation, DecoderLMConfig, EncoderConfig, ModelConfig, TransformerConfig
+from qkv.config import Activation, DecoderLMConfig
 from qkv.errors import QkvError
-from qkv.models import DecoderLM, EncoderModel, Transformer
-from qkv.tokenizers import ByteBPETokenizer
-from qkv.tokenizers.base import CONFIG_FILE as TOKENIZER_CONFIG_FILE
-from qkv.training.checkpoint import (
+from qkv.io.files import (
     PICKLE_SUFFIXES,
     atomic_save_safetensors,
     atomic_write_json,
     load_json,
     load_safetensors,
 )
+from qkv.models import QkvConfig
+from qkv.tokenizers import ByteBPETokenizer
+from qkv.tokenizers.base import CONFIG_FILE as TOKENIZER_CONFIG_FILE
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 
-QkvConfig = DecoderLMConfig | EncoderConfig | TransformerConfig
-QkvModel = DecoderLM | EncoderModel | Transformer
 _NO_DEFAULT: Any = object()
 
 
@@ -230,17 +228,6 @@ def _read_tensors(files: list[Path], weight_map: dict[str, str]) -> dict[str, Te
 # ---------------------------------------------------------------------------------------------
 # Building and loading
 # ---------------------------------------------------------------------------------------------
-
-
-def build_model(cfg: ModelConfig | TransformerConfig) -> QkvModel:
-    """The qkv model for a config: DecoderLM, EncoderModel or Transformer."""
-    if isinstance(cfg, DecoderLMConfig):
-        return DecoderLM(cfg)
-    if isinstance(cfg, EncoderConfig):
-        return EncoderModel(cfg)
-    if isinstance(cfg, TransformerConfig):
-        return Transformer(cfg)
-    raise QkvError(f"no qkv model is built from a {type(cfg).__name__}")
 
 
 def _find(tensors: Collection[str], name: str, aliases: tuple[tuple[str, str], ...]) -> str | None:

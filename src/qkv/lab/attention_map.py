@@ -1,11 +1,12 @@
 """Attention weights of a model, every layer and head, as PNG grids and as a bertviz export.
 
-DecoderLM (what `qkv train` writes): causal self-attention, from model(ids, return_weights=True).
-Transformer (encoder–decoder): encoder self-attention from encode_with_weights, decoder self- and
-cross-attention from decode(..., return_weights=True).
+The weights are recorded while the model runs (qkv.attention.record_attention):
+DecoderLM (`qkv train`): causal self-attention; EncoderModel (`qkv train mlm`): bidirectional
+self-attention; Transformer (`qkv train translate`): encoder self-, decoder self- and cross-attention
+of the model's own translation.
 
 The JSON export holds exactly the arguments of bertviz's `head_view`, as nested lists:
-{"attention": [layer][1][heads][T][T], "tokens": [...]} for a decoder, or encoder_attention /
+{"attention": [layer][1][heads][T][T], "tokens": [...]} for a single stack, or encoder_attention /
 decoder_attention / cross_attention with encoder_tokens / decoder_tokens for an encoder–decoder.
 bertviz wants one torch tensor per layer, so, in a notebook:
 
@@ -25,13 +26,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from qkv.attention import record_attention
 from qkv.errors import QkvError
 from qkv.lab.plotting import Section, display_token, format_table, head_grid, save
+from qkv.models import DecoderLM, EncoderModel, Transformer
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
-
-    from qkv.models import DecoderLM, Transformer
 
 TITLE = "Attention maps of a trained model"
 EXPLANATION = (
@@ -62,7 +63,7 @@ class LayerMap:
 class AttentionMapResult:
     """Every layer's attention weights for one input, with its tokens."""
 
-    model_type: str  # "decoder_lm" or "transformer"
+    model_type: str  # "decoder_lm", "encoder" or "transformer"
     maps: list[LayerMap]
 
     def table(self) -> str:
@@ -100,7 +101,7 @@ class AttentionMapResult:
         for m in self.maps:
             out.setdefault(BERTVIZ_KEYS[m.kind], []).append(m.weights[None].tolist())  # (1, H, T_q, T_k)
         first = {m.kind: m for m in reversed(self.maps)}  # the layer-0 map of each kind
-        if self.model_type == "decoder_lm":
+        if self.model_type != "transformer":  # one stack: decoder_lm or encoder
             out["tokens"] = first["self"].query_tokens
         else:
             out["encoder_tokens"] = first["encoder"].query_tokens
@@ -133,18 +134,35 @@ def _layer_maps(kind: str, weights: list[torch.Tensor], q_tokens: list[str], k_t
     return [LayerMap(kind, i, w[0].detach().float().cpu().numpy(), q_tokens, k_tokens) for i, w in enumerate(weights)]
 
 
+def _checked_batch(ids: torch.Tensor | Sequence[int], tokens: Sequence[str], max_positions: int) -> torch.Tensor:
+    """One sequence of ids as a (1, T) batch, with one label per id, that fits the model's context."""
+    batch = _as_batch(ids)
+    if len(tokens) != batch.shape[1]:
+        raise QkvError(f"{len(tokens)} token labels for {batch.shape[1]} token ids")
+    _check_fits(batch.shape[1], max_positions)
+    return batch
+
+
 def decoder_attention_maps(
     model: DecoderLM, ids: torch.Tensor | Sequence[int], tokens: Sequence[str]
 ) -> AttentionMapResult:
     """Self-attention weights of a DecoderLM for one sequence, every layer and head."""
-    batch = _as_batch(ids)
-    if len(tokens) != batch.shape[1]:
-        raise QkvError(f"{len(tokens)} token labels for {batch.shape[1]} token ids")
-    _check_fits(batch.shape[1], model.cfg.max_positions)
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        _, maps = model(batch.to(device), return_weights=True)
-    return AttentionMapResult("decoder_lm", _layer_maps("self", maps.self_attn, list(tokens), list(tokens)))
+    batch = _checked_batch(ids, tokens, model.cfg.max_positions)
+    with torch.no_grad(), record_attention(model) as recorder:
+        model(batch.to(next(model.parameters()).device))
+    weights = recorder.weights_of("decoder.layers.*.self_attn")
+    return AttentionMapResult("decoder_lm", _layer_maps("self", weights, list(tokens), list(tokens)))
+
+
+def encoder_attention_maps(
+    model: EncoderModel, ids: torch.Tensor | Sequence[int], tokens: Sequence[str]
+) -> AttentionMapResult:
+    """Bidirectional self-attention weights of an EncoderModel for one sequence, every layer and head."""
+    batch = _checked_batch(ids, tokens, model.cfg.max_positions)
+    with torch.no_grad(), record_attention(model) as recorder:
+        model(batch.to(next(model.parameters()).device))
+    weights = recorder.weights_of("encoder.layers.*.self_attn")
+    return AttentionMapResult("encoder", _layer_maps("self", weights, list(tokens), list(tokens)))
 
 
 def transformer_attention_maps(
@@ -160,42 +178,41 @@ def transformer_attention_maps(
         raise QkvError("need one token label per source id and per target id")
     _check_fits(max(src.shape[1], tgt.shape[1]), model.cfg.max_positions)
     device = next(model.parameters()).device
-    with torch.no_grad():
-        memory, enc = model.encode_with_weights(src.to(device))
-        _, dec = model.decode(tgt.to(device), memory, return_weights=True)
+    with torch.no_grad(), record_attention(model) as recorder:
+        model.decode(tgt.to(device), model.encode(src.to(device)))
     s, t = list(src_tokens), list(tgt_tokens)
-    maps = _layer_maps("encoder", enc.self_attn, s, s) + _layer_maps("decoder", dec.self_attn, t, t)
-    return AttentionMapResult("transformer", maps + _layer_maps("cross", dec.cross_attn, t, s))
+    maps = _layer_maps("encoder", recorder.weights_of("encoder.layers.*.self_attn"), s, s)
+    maps += _layer_maps("decoder", recorder.weights_of("decoder.layers.*.self_attn"), t, t)
+    maps += _layer_maps("cross", recorder.weights_of("decoder.layers.*.cross_attn"), t, s)
+    return AttentionMapResult("transformer", maps)
 
 
 def attention_map(run_dir: str | Path, text: str = DEFAULT_TEXT, checkpoint: str = "best") -> AttentionMapResult:
-    """Attention maps of the model in a `qkv train` run directory on `text`."""
-    from qkv.training import load  # deferred: loading runs pulls in the tokenizers library
-    from qkv.training.run import read_run_config
+    """Attention maps of the model in a `qkv train` run directory (any task with a tokenizer) on `text`."""
+    from qkv.tasks import load  # deferred: loading runs pulls in the tokenizers library
 
     if not text:
         raise QkvError("--text is empty; give the text whose attention to show")
-    if read_run_config(Path(run_dir)).get("model_type") == "transformer":
-        return _translation_maps(run_dir, text, checkpoint)
     run = load(run_dir, checkpoint)
-    ids = run.tokenizer.encode(text)
+    if isinstance(run.model, Transformer):
+        return _translation_maps(run, text)
+    tokenizer = run.require_tokenizer()
+    ids = tokenizer.encode(text)
     if not ids:
         raise QkvError(f"the text {text!r} encodes to no tokens")
-    return decoder_attention_maps(run.model, ids, _tokens(run.tokenizer, ids))
+    if isinstance(run.model, EncoderModel):
+        return encoder_attention_maps(run.model, ids, _tokens(tokenizer, ids))
+    return decoder_attention_maps(run.model, ids, _tokens(tokenizer, ids))
 
 
-def _translation_maps(run_dir: str | Path, text: str, checkpoint: str) -> AttentionMapResult:
+def _translation_maps(run: Any, text: str) -> AttentionMapResult:
     """An encoder–decoder run: `text` is the source; the target is the model's own greedy translation."""
-    from qkv.translation.decoding import greedy_decode
-    from qkv.translation.run import load_translation
-
-    run = load_translation(run_dir, checkpoint)
-    src = run.encode_sources([text])  # (1, S)
-    tgt = [run.specials.bos, *greedy_decode(run.model, src, run.specials)[0]]  # decoder input, teacher-forced
+    translator = run.translator()
+    src = translator.encode_sources([text])  # (1, S)
+    tgt = [translator.specials.bos, *translator.decode_ids(src)[0]]  # decoder input, teacher-forced
     src_ids = src[0].tolist()
-    return transformer_attention_maps(
-        run.model, src_ids, tgt, _tokens(run.tokenizer, src_ids), _tokens(run.tokenizer, tgt)
-    )
+    labels = translator.tokenizer
+    return transformer_attention_maps(run.model, src_ids, tgt, _tokens(labels, src_ids), _tokens(labels, tgt))
 
 
 def plot(result: AttentionMapResult, path: str | Path | None, index: int = 0) -> Figure:
@@ -232,9 +249,9 @@ def bertviz_arguments(path: str | Path) -> dict[str, Any]:
             for key, value in data.items()}  # fmt: skip
 
 
-def run(out_dir: Path, run_dir: str | Path, text: str = DEFAULT_TEXT, checkpoint: str = "best") -> Section:
-    """Attention maps of a trained run: one PNG per layer plus attention-bertviz.json."""
-    result = attention_map(run_dir, text, checkpoint)
+def run(out_dir: Path, run_dir: str | Path, text: str | None = None, checkpoint: str = "best") -> Section:
+    """Attention maps of a trained run on `text` (None: DEFAULT_TEXT): one PNG per layer plus attention-bertviz.json."""
+    result = attention_map(run_dir, DEFAULT_TEXT if text is None else text, checkpoint)
     images = plot_layers(result, out_dir)
     json_path = export_bertviz(result, out_dir / "attention-bertviz.json")
     note = f"bertviz export: {json_path} (head_view(**qkv.lab.attention_map.bertviz_arguments(path)))"

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from qkv.attention import MultiHeadAttention
+from qkv.attention import MultiHeadAttention, record_attention
 from qkv.errors import QkvError
 from qkv.lab.plotting import Section, format_table, head_grid, save
 
@@ -106,7 +106,9 @@ def heads(
         context = step("context per head", "weights V_h", weights @ vh)
         concat = step("concatenated", "transpose → (T, h, d_k), reshape", context.transpose(0, 1).reshape(t, d_model))
         out = step("output", "concat W_O + b_O   (out_proj)", concat @ module.out_proj.weight.T + module.out_proj.bias)
-        expected, expected_weights = module(x, return_weights=True)
+        with record_attention() as recorder:
+            expected = module(x)
+        expected_weights = recorder.weights_of()[0]
     diff = float((out - expected[0]).abs().max())
     weights_diff = float((weights - expected_weights[0]).abs().max())
     if diff > tolerance or weights_diff > tolerance:

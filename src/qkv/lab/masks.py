@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from qkv.attention import causal_mask, padding_mask_from_lengths, scaled_dot_product_attention
+from qkv.attention import causal_mask, padding_mask_from_lengths, record_attention, scaled_dot_product_attention
 from qkv.errors import QkvError
 from qkv.lab.plotting import Margins, Section, format_table, heatmap, new_figure, save
 
@@ -79,10 +79,11 @@ def masks(tokens: Sequence[str] = TOKENS, length: int = 4, d_k: int = 8, seed: i
     q, k, v = (torch.randn(1, t, d_k, generator=gen) for _ in range(3))
     causal = causal_mask(t)  # (T, T)
     padding = padding_mask_from_lengths([length], t)[0, 0]  # (1, T): True on real keys
-    _, w_causal = scaled_dot_product_attention(q, k, v, causal=True, return_weights=True)
-    _, w_padding = scaled_dot_product_attention(q, k, v, mask=padding, return_weights=True)
-    _, w_both = scaled_dot_product_attention(q, k, v, mask=padding, causal=True, return_weights=True)
-    weights = [w[0].numpy() for w in (w_causal, w_padding, w_both)]
+    with record_attention() as recorder:
+        scaled_dot_product_attention(q, k, v, causal=True)
+        scaled_dot_product_attention(q, k, v, mask=padding)
+        scaled_dot_product_attention(q, k, v, mask=padding, causal=True)
+    weights = [w[0].numpy() for w in recorder.weights_of()]  # causal, padding, both
     on_padding = max(float(w[:, length:].max()) if length < t else 0.0 for w in weights[1:])
     # A padding query in the combined case still sees its own earlier real keys: its row is not empty.
     row_sums = np.concatenate([w.sum(axis=-1) for w in weights])

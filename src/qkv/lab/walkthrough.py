@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from qkv.attention import scaled_dot_product_attention
+from qkv.attention import record_attention, scaled_dot_product_attention
 from qkv.errors import QkvError
 from qkv.lab.plotting import COLORS, Margins, Section, fmt_vector, format_table, heatmap, label, new_figure, save
 
@@ -297,7 +297,9 @@ def trainable_walkthrough(
     # Scaled like nn.Linear's init, so that Q, K, V have entries of order 1.
     w_q, w_k, w_v = (torch.randn(d_in, d_out, generator=gen, dtype=torch.float64) / math.sqrt(d_in) for _ in range(3))
     q, k, v = x @ w_q, x @ w_k, x @ w_v  # (T, d_out) each
-    context, weights = scaled_dot_product_attention(q, k, v, return_weights=True)  # scale 1/√d_out
+    with record_attention() as recorder:
+        context = scaled_dot_product_attention(q, k, v)  # scale 1/√d_out
+    weights = recorder.weights_of()[0]
     arrays = [t.numpy() for t in (x, w_q, w_k, w_v, q, k, v, q @ k.T, weights, context)]
     return TrainableWalkthrough(words, *arrays)
 

@@ -1,12 +1,55 @@
 """Models: encoder–decoder Transformer, decoder-only DecoderLM, encoder-only EncoderModel."""
 
+from __future__ import annotations
+
+from torch import nn
+
 from qkv.config import BlockConfig, DecoderLMConfig, EncoderConfig, ModelConfig, TransformerConfig
+from qkv.errors import QkvError
 from qkv.models.decoder_lm import DecoderLM
 from qkv.models.embedding import Embeddings
-from qkv.models.encoder_model import EncoderModel, EncoderOutput
+from qkv.models.encoder_model import EncoderModel, EncoderOutput, MaskedLMHead
 from qkv.models.transformer import Transformer
 
+QkvConfig = DecoderLMConfig | EncoderConfig | TransformerConfig
+QkvModel = DecoderLM | EncoderModel | Transformer
+# config.json's model_type ↔ config class; "encoder_decoder" is how `qkv convert` spells "transformer".
+MODEL_TYPES: dict[str, type[QkvConfig]] = {
+    "decoder_lm": DecoderLMConfig,
+    "encoder": EncoderConfig,
+    "transformer": TransformerConfig,
+    "encoder_decoder": TransformerConfig,
+}
+
+
+def build_model(cfg: QkvConfig) -> QkvModel:
+    """The qkv model a config describes (the config's class says which)."""
+    if isinstance(cfg, DecoderLMConfig):
+        return DecoderLM(cfg)
+    if isinstance(cfg, EncoderConfig):
+        return EncoderModel(cfg)
+    if isinstance(cfg, TransformerConfig):
+        return Transformer(cfg)
+    raise QkvError(f"no qkv model is built from a {type(cfg).__name__}")
+
+
+def model_type_of(model: nn.Module) -> str:
+    """config.json's model_type for a qkv model."""
+    for name, cls in (("decoder_lm", DecoderLM), ("encoder", EncoderModel), ("transformer", Transformer)):
+        if isinstance(model, cls):
+            return name
+    raise QkvError(f"{type(model).__name__} is not a qkv model")
+
+
+def config_from_dict(model_type: str, data: dict[str, object]) -> QkvConfig:
+    """A model config from config.json's model_type and model entries."""
+    if model_type not in MODEL_TYPES:
+        raise QkvError(f"unknown model_type {model_type!r}; expected one of: {', '.join(MODEL_TYPES)}")
+    return MODEL_TYPES[model_type].from_dict(dict(data))
+
+
 __all__ = [
+    "MODEL_TYPES",
     "BlockConfig",
     "DecoderLM",
     "DecoderLMConfig",
@@ -14,7 +57,13 @@ __all__ = [
     "EncoderConfig",
     "EncoderModel",
     "EncoderOutput",
+    "MaskedLMHead",
     "ModelConfig",
+    "QkvConfig",
+    "QkvModel",
     "Transformer",
     "TransformerConfig",
+    "build_model",
+    "config_from_dict",
+    "model_type_of",
 ]

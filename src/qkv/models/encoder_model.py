@@ -1,7 +1,9 @@
 """EncoderModel: the BERT-style encoder-only model.
 
 ids (+ token types) → Embeddings (+ norm) → N × EncoderLayer (bidirectional self-attention) →
-hidden states for every token, and a pooled vector tanh(W · h_0) for the whole sequence.
+hidden states for every token, a pooled vector tanh(W · h_0) for the whole sequence, and, with the
+masked-LM head, logits over the vocabulary for every position (what masked-language-model
+pretraining trains: qkv.tasks.mlm).
 """
 
 from __future__ import annotations
@@ -10,25 +12,49 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.blocks import AttentionMaps, Encoder
+from qkv.blocks import Encoder
 from qkv.config import EncoderConfig
 from qkv.errors import QkvError
 from qkv.models.embedding import Embeddings, init_normal_
+from qkv.norms import make_norm
 
 
 @dataclass
 class EncoderOutput:
-    """Per-token hidden states (B, T, d_model), pooled (B, d_model) or None, attention maps."""
+    """Per-token hidden states (B, T, d_model), pooled (B, d_model) or None, MLM logits (B, T, vocab) or None."""
 
     hidden: Tensor
     pooled: Tensor | None
-    attentions: AttentionMaps
+    logits: Tensor | None = None
+
+
+class MaskedLMHead(nn.Module):
+    """BERT's masked-LM head: logits = W_out · Norm(act(W h + b)) + b_out, W_out tied to the token embeddings."""
+
+    def __init__(self, cfg: EncoderConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, bias=cfg.bias)
+        self.output = nn.Linear(cfg.d_model, cfg.vocab_size)  # its bias: a learned prior over the vocabulary
+        self.activation = cfg.activation
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """(B, T, d_model) → (B, T, vocab)."""
+        h = self.dense(hidden)
+        if self.activation == "relu":
+            h = F.relu(h)
+        elif self.activation == "gelu_tanh":
+            h = F.gelu(h, approximate="tanh")
+        else:  # gelu, and SwiGLU's case: one input, so its gate nonlinearity would need a second matrix
+            h = F.gelu(h)
+        return self.output(self.norm(h))
 
 
 class EncoderModel(nn.Module):
-    """Encoder-only Transformer with an optional pooler."""
+    """Encoder-only Transformer with an optional pooler and an optional masked-LM head."""
 
     def __init__(self, cfg: EncoderConfig) -> None:
         super().__init__()
@@ -37,14 +63,13 @@ class EncoderModel(nn.Module):
         self.embed = Embeddings(cfg)
         self.encoder = Encoder(cfg, cfg.n_layers, final_norm=cfg.final_norm)
         self.pooler = nn.Linear(cfg.d_model, cfg.d_model) if cfg.pooler else None
+        self.mlm_head = MaskedLMHead(cfg) if cfg.mlm_head else None
         init_normal_(self, std=0.02, residual_std=0.02 / math.sqrt(2 * cfg.n_layers))
+        if self.mlm_head is not None and cfg.tie_embeddings:
+            self.mlm_head.output.weight = self.embed.tokens.weight
 
     def forward(
-        self,
-        ids: Tensor,
-        attention_mask: Tensor | None = None,
-        token_type_ids: Tensor | None = None,
-        return_weights: bool = False,
+        self, ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
     ) -> EncoderOutput:
         """Encode ids (B, T); attention_mask (B, T) is True (or 1) on real tokens, False on padding."""
         mask = None
@@ -55,9 +80,10 @@ class EncoderModel(nn.Module):
                 )
             mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T)
         x, rope = self.embed(ids, token_type_ids=token_type_ids)
-        hidden, maps = self.encoder(x, mask=mask, rope=rope, return_weights=return_weights)
+        hidden = self.encoder(x, mask=mask, rope=rope)
         pooled = torch.tanh(self.pooler(hidden[:, 0])) if self.pooler is not None else None
-        return EncoderOutput(hidden, pooled, maps)
+        logits = self.mlm_head(hidden) if self.mlm_head is not None else None
+        return EncoderOutput(hidden, pooled, logits)
 
     def mean_pool(self, ids: Tensor, attention_mask: Tensor) -> Tensor:
         """Sentence embeddings (B, d_model): the mean of the real tokens' hidden states."""

@@ -9,12 +9,10 @@ mask hides the future; at inference it runs token by token with a KV cache.
 
 from __future__ import annotations
 
-from typing import Literal, overload
-
 from torch import Tensor, nn
 
-from qkv.attention import LayerCache, cache_length, new_cache
-from qkv.blocks import AttentionMaps, Decoder, Encoder
+from qkv.attention import LayerCache, cache_length
+from qkv.blocks import Decoder, Encoder
 from qkv.config import TransformerConfig
 from qkv.models.embedding import Embeddings
 
@@ -43,40 +41,13 @@ class Transformer(nn.Module):
 
     def new_cache(self, capacity: int = 256) -> list[LayerCache]:
         """An empty decoder cache (self-attention K/V grow; cross-attention K/V are set once)."""
-        return new_cache(self.cfg.n_decoder_layers, capacity)
+        return self.decoder.new_cache(capacity)
 
     def encode(self, src: Tensor, src_mask: Tensor | None = None) -> Tensor:
         """Memory (B, S, d_model) for source ids (B, S); src_mask (B, 1, 1, S) hides padding."""
         x, rope = self.src_embed(src)
-        memory, _ = self.encoder(x, mask=src_mask, rope=rope)
-        return memory
+        return self.encoder(x, mask=src_mask, rope=rope)
 
-    def encode_with_weights(self, src: Tensor, src_mask: Tensor | None = None) -> tuple[Tensor, AttentionMaps]:
-        """Memory and the encoder's self-attention weights per layer."""
-        x, rope = self.src_embed(src)
-        return self.encoder(x, mask=src_mask, rope=rope, return_weights=True)
-
-    @overload
-    def decode(
-        self,
-        tgt: Tensor,
-        memory: Tensor,
-        src_mask: Tensor | None = ...,
-        tgt_mask: Tensor | None = ...,
-        cache: list[LayerCache] | None = ...,
-        return_weights: Literal[False] = ...,
-    ) -> Tensor: ...
-    @overload
-    def decode(
-        self,
-        tgt: Tensor,
-        memory: Tensor,
-        src_mask: Tensor | None = ...,
-        tgt_mask: Tensor | None = ...,
-        cache: list[LayerCache] | None = ...,
-        *,
-        return_weights: Literal[True],
-    ) -> tuple[Tensor, AttentionMaps]: ...
     def decode(
         self,
         tgt: Tensor,
@@ -84,25 +55,15 @@ class Transformer(nn.Module):
         src_mask: Tensor | None = None,
         tgt_mask: Tensor | None = None,
         cache: list[LayerCache] | None = None,
-        return_weights: bool = False,
-    ) -> Tensor | tuple[Tensor, AttentionMaps]:
+    ) -> Tensor:
         """Logits (B, T, tgt_vocab) for target ids (B, T) following the cache's tokens.
 
         src_mask (B, 1, 1, S) hides source padding from cross-attention; tgt_mask (B, 1, 1, T_k)
         hides target padding; the causal mask is always applied.
         """
         x, rope = self.tgt_embed(tgt, start=cache_length(cache))
-        x, maps = self.decoder(
-            x,
-            memory,
-            self_mask=tgt_mask,
-            memory_mask=src_mask,
-            cache=cache,
-            rope=rope,
-            return_weights=return_weights,
-        )
-        logits = self.generator(x)
-        return (logits, maps) if return_weights else logits
+        x = self.decoder(x, memory, self_mask=tgt_mask, memory_mask=src_mask, cache=cache, rope=rope)
+        return self.generator(x)
 
     def forward(
         self, src: Tensor, tgt: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None

@@ -6,7 +6,6 @@ from qkv.tokenizers.char import CharTokenizer
 from qkv.tokenizers.factory import (
     DEFAULT_BPE_VOCAB_SIZE,
     TOKENIZER_KINDS,
-    gpt2_tokenizer,
     load_tokenizer,
     make_tokenizer,
 )
@@ -18,7 +17,6 @@ __all__ = [
     "ByteBPETokenizer",
     "CharTokenizer",
     "Tokenizer",
-    "gpt2_tokenizer",
     "load_tokenizer",
     "make_tokenizer",
 ]

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
-
-from qkv.errors import QkvError
 
 # Both kinds save a tokenizer.json (ours for "char", Hugging Face's for "bpe"); the bpe kind also
 # writes CONFIG_FILE, because HF's file format has no place for our own fields.
@@ -57,25 +54,3 @@ class Tokenizer(ABC):
     def __repr__(self) -> str:
         """Short description, e.g. CharTokenizer(kind='char', vocab_size=65)."""
         return f"{type(self).__name__}(kind={self.kind!r}, vocab_size={self.vocab_size})"
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    """Parse a JSON object from `path`, raising QkvError (with the position) if it is missing or broken."""
-    if not path.is_file():
-        raise QkvError(f"tokenizer file not found: {path}")
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as err:
-        raise QkvError(f"{path} is not valid UTF-8 (byte offset {err.start}); the file is corrupted") from err
-    except json.JSONDecodeError as err:
-        where = f"line {err.lineno}, column {err.colno}"
-        raise QkvError(f"{path} is not valid JSON ({where}: {err.msg})") from err
-    if not isinstance(obj, dict):
-        raise QkvError(f"{path} should hold a JSON object, found {type(obj).__name__}")
-    return obj
-
-
-def write_json(path: Path, obj: dict[str, Any]) -> None:
-    """Write `obj` as readable, UTF-8 JSON (non-ASCII characters kept as themselves)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")

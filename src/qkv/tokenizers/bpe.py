@@ -8,7 +8,8 @@ from pathlib import Path
 import tokenizers as hf  # Hugging Face's package, not this one (qkv.tokenizers)
 
 from qkv.errors import QkvError
-from qkv.tokenizers.base import CONFIG_FILE, TOKENIZER_FILE, Tokenizer, read_json, write_json
+from qkv.io.files import atomic_write_json, load_json
+from qkv.tokenizers.base import CONFIG_FILE, TOKENIZER_FILE, Tokenizer
 
 ENDOFTEXT = "<|endoftext|>"
 # 256 byte tokens + at least one special token; above the upper bound is surely a typo (GPT-4 uses ~100k).
@@ -55,13 +56,13 @@ class ByteBPETokenizer(Tokenizer):
     def load(cls, directory: Path) -> ByteBPETokenizer:
         """Read a tokenizer written by save() (Hugging Face's tokenizer.json)."""
         path = Path(directory) / TOKENIZER_FILE
-        read_json(path)  # clear errors for a missing file or broken JSON before HF sees it
+        load_json(path, "tokenizer file")  # clear errors for a missing file or broken JSON before HF sees it
         try:
             tok = hf.Tokenizer.from_file(str(path))
         except Exception as err:  # HF raises a bare Exception for schema errors
             raise QkvError(f"{path} is not a valid Hugging Face tokenizer file: {err}") from err
         config = Path(directory) / CONFIG_FILE
-        eos = read_json(config).get("eos_token", ENDOFTEXT) if config.is_file() else ENDOFTEXT
+        eos = load_json(config, "tokenizer file").get("eos_token", ENDOFTEXT) if config.is_file() else ENDOFTEXT
         return cls(tok, eos if isinstance(eos, str) else ENDOFTEXT)
 
     @property
@@ -98,4 +99,4 @@ class ByteBPETokenizer(Tokenizer):
         directory.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(directory / TOKENIZER_FILE))
         extra = {} if self._eos_token == ENDOFTEXT else {"eos_token": self._eos_token}
-        write_json(directory / CONFIG_FILE, {"kind": self.kind, **extra})
+        atomic_write_json(directory / CONFIG_FILE, {"kind": self.kind, **extra})

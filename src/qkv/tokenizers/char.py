@@ -9,7 +9,8 @@ import numpy as np
 import torch
 
 from qkv.errors import QkvError
-from qkv.tokenizers.base import TOKENIZER_FILE, Tokenizer, read_json, write_json
+from qkv.io.files import atomic_write_json, load_json
+from qkv.tokenizers.base import TOKENIZER_FILE, Tokenizer
 
 _MAX_SHOWN = 10  # unknown characters listed in an error message
 
@@ -49,7 +50,7 @@ class CharTokenizer(Tokenizer):
     def load(cls, directory: Path) -> CharTokenizer:
         """Read a tokenizer written by save()."""
         path = Path(directory) / TOKENIZER_FILE
-        obj = read_json(path)
+        obj = load_json(path, "tokenizer file")
         chars = obj.get("chars")
         if obj.get("kind") != cls.kind or not isinstance(chars, list):
             raise QkvError(f"{path} is not a char tokenizer file (expected keys 'kind': 'char' and 'chars')")
@@ -106,4 +107,5 @@ class CharTokenizer(Tokenizer):
 
     def save(self, directory: Path) -> None:
         """Write tokenizer.json: {"kind": "char", "chars": [...]}."""
-        write_json(Path(directory) / TOKENIZER_FILE, {"kind": self.kind, "chars": self._chars})
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        atomic_write_json(Path(directory) / TOKENIZER_FILE, {"kind": self.kind, "chars": self._chars})

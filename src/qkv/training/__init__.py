@@ -1,8 +1,29 @@
-"""Training: config, loop, evaluation protocol, checkpoints, run directories."""
+"""Training: the one loop every task runs through, its run config, checkpoints, schedule and processes.
 
-from qkv.training.config import TrainConfig
+    loop.py         fit(): the loop (optimiser, accumulation, precision, compile, DDP/FSDP, budget, checkpoints)
+    task.py         Task: what a task supplies to the loop (data, model, batches, loss, evaluation, report)
+    config.py       RunConfig: the settings every task shares, defined and validated once
+    checkpoint.py   crash-safe training state (weights, optimiser, RNGs) for exact resume
+    distributed.py  DDP and FSDP under torchrun
+    evaluate.py     the language models' evaluation protocol (every position predicted once)
+The tasks themselves (language model, translation, masked LM, copy/reverse) are in qkv.tasks.
+"""
+
+from qkv.training.config import RunConfig, option
 from qkv.training.evaluate import evaluate_loss, perplexity
-from qkv.training.run import LoadedRun, load
-from qkv.training.trainer import TrainResult, train
+from qkv.training.loop import Hooks, StepInfo, fit
+from qkv.training.task import Batch, Evaluation, Task, TrainResult
 
-__all__ = ["LoadedRun", "TrainConfig", "TrainResult", "evaluate_loss", "load", "perplexity", "train"]
+__all__ = [
+    "Batch",
+    "Evaluation",
+    "Hooks",
+    "RunConfig",
+    "StepInfo",
+    "Task",
+    "TrainResult",
+    "evaluate_loss",
+    "fit",
+    "option",
+    "perplexity",
+]

@@ -1,127 +1,172 @@
-"""TrainConfig: everything a training run needs besides the model config, validated up front."""
+"""RunConfig: the settings every training task shares, defined and validated once.
+
+A task's config (qkv.tasks: LMConfig, TranslateConfig, MLMConfig, CopyConfig, …) subclasses it, adds
+its own fields and may give a shared field its own default (the translation task keeps β₂ 0.98, …).
+Each field carries its help text (`option`), so one field appears in the command line
+(`qkv train TASK --help`), in config.json and in the Python API together.
+
+A config remembers which settings it was given (`given`): resuming a run keeps the stored settings
+except those, even where a given value equals the default.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from qkv.config import DecoderLMConfig
+from qkv.config import BlockConfig
 from qkv.errors import QkvError
+from qkv.io.devices import DTYPES
 from qkv.training.schedule import SCHEDULE_KINDS
 
-DTYPES = ("float32", "bfloat16", "float16")
-TOKENIZERS = ("char", "bpe")
 STRATEGIES = ("ddp", "fsdp")  # how several processes (torchrun, --nproc) share the work
 
-# The default recipe is a speedrun (benchmarks/SPEEDRUN.md): the fastest way found on a 2-core CPU to
-# full-validation loss 1.96 on the embedded Shakespeare, the level nanoGPT's CPU recipe reaches in
-# 2,000 steps. nanoGPT's 4 layers × 128 with a modern block (rotary positions, RMSNorm, SwiGLU, no
-# biases), windows of 128 characters in batches of 8, a 3× higher peak learning rate, and a cosine
-# schedule as long as the run: 600 steps, ≈ 30 s of training, full-val loss ≈ 1.94.
-DEFAULT_MODEL: dict[str, Any] = {
-    "n_layers": 4,
-    "d_model": 128,
-    "n_heads": 4,
-    "positions": "rotary",
-    "norm": "rms",
-    "activation": "swiglu",
-    "bias": False,
-    "dropout": 0.0,
-}
+
+def option(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    fixed: bool = False,
+    choices: tuple[str, ...] | None = None,
+    factory: Any = dataclasses.MISSING,
+) -> Any:
+    """A config field with its help text; fixed: what a run trains, which a resumed run may not change."""
+    metadata = {"help": help, "fixed": fixed, "choices": choices}
+    return field(default=default, default_factory=factory, metadata=metadata)
+
+
+def dashed(name: str) -> str:
+    """A field's name as its command-line option: max_steps → max-steps."""
+    return name.replace("_", "-")
 
 
 @dataclass(kw_only=True)
-class TrainConfig:
-    """How to train: data, tokenizer, batch shape, optimiser, schedule, budget, device, output."""
+class RunConfig:
+    """How to train: batch, optimiser, schedule, budget, evaluation, device, processes, output."""
 
-    data: str | None = None  # a UTF-8 text file; None = the embedded Shakespeare corpus
-    tokenizer: str = "char"
-    bpe_vocab_size: int = 1024
-    model: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_MODEL))  # DecoderLMConfig fields
-    block_size: int = 128
-    batch_size: int = 8  # per process: a run on N processes takes N·batch_size sequences per micro-batch
-    grad_accum: int = 1
-    max_steps: int = 600
-    max_time: float | None = None  # seconds; stop early (and save) when the budget is spent
-    lr: float = 3e-3
-    min_lr: float | None = None  # None = lr / 20
-    warmup_steps: int = 100
-    schedule: str = "cosine"
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.99
-    grad_clip: float = 1.0  # 0 = no clipping
-    eval_interval: int = 300  # each full-split evaluation costs ≈ 2 s of a ≈ 45 s default run
-    eval_tokens: int | None = None  # periodic evals read this many val tokens; None = all (final eval always all)
-    device: str = "auto"
-    dtype: str = "float32"
-    compile: bool = False
-    strategy: str = "ddp"  # ddp: every rank holds the whole model; fsdp: parameters sharded across ranks
-    dist_timeout: float = 60.0  # seconds a collective may wait for a dead or hung peer before failing
-    seed: int = 1337
-    out_dir: str | None = None  # None = runs/<data>-<tokenizer>-<timestamp>
-    resume: bool = False
-    sample_tokens: int = 400  # length of the sample printed after training (0 = none)
+    task: ClassVar[str] = ""  # the task's name in qkv.tasks' registry
+    model_config: ClassVar[type[BlockConfig]] = BlockConfig  # the model config `model` holds fields of
+    default_model: ClassVar[dict[str, Any]] = {}  # the task's model recipe, under the given `model` fields
+
+    model: dict[str, Any] = option(factory=dict, help="model-config fields over the task's recipe", fixed=True)
+    batch_size: int = option(8, "sequences per micro-batch and process", fixed=True)
+    grad_accum: int = option(1, "micro-batches per optimiser step", fixed=True)
+    max_steps: int = option(600, "optimiser steps (the schedule's length)")
+    max_time: float | None = option(None, "stop after this many seconds, evaluations included (checkpoint saved)")
+    lr: float = option(3e-3, "peak learning rate")
+    min_lr: float | None = option(None, "final learning rate (default: lr / 20)")
+    warmup_steps: int = option(100, "linear warmup steps")
+    schedule: str = option("cosine", "the decay after warmup", choices=SCHEDULE_KINDS)
+    weight_decay: float = option(0.1, "AdamW weight decay on matrices")
+    beta1: float = option(0.9, "AdamW β₁")
+    beta2: float = option(0.99, "AdamW β₂")
+    grad_clip: float = option(1.0, "max gradient norm (0 = no clipping)")
+    fused_optimizer: bool = option(True, "PyTorch's fused AdamW kernel (off: its multi-tensor implementation)")
+    eval_interval: int = option(300, "steps between evaluations and checkpoints")
+    device: str = option("auto", "auto, cpu, cuda, cuda:N or mps")
+    dtype: str = option("float32", "autocast dtype (weights stay float32)", choices=DTYPES)
+    compile: bool = option(False, "torch.compile the model (whole graphs only: a graph break is an error)")
+    cpu_threads: int | None = option(None, "intra-op CPU threads (default: one per core)")
+    strategy: str = option("ddp", "with several processes: ddp, or fsdp (sharded parameters)", choices=STRATEGIES)
+    dist_timeout: float = option(60.0, "seconds a collective waits for a dead or hung process")
+    seed: int = option(1337, "random seed (weights, batches, dropout)", fixed=True)
+    out_dir: str | None = option(None, "run directory (default: runs/<task name>-<date>-<time>)")
+    resume: bool = option(False, "continue the run in --out-dir")
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> RunConfig:
+        """Remember which settings were given, before the dataclass __init__ sets every field."""
+        self = super().__new__(cls)
+        object.__setattr__(self, "_given", frozenset(kwargs))
+        return self
 
     def __post_init__(self) -> None:
         """Refuse impossible settings with a message naming the setting."""
-        if self.tokenizer not in TOKENIZERS:
-            raise QkvError(f"unknown tokenizer {self.tokenizer!r}; choose one of: {', '.join(TOKENIZERS)}")
-        if self.schedule not in SCHEDULE_KINDS:
-            raise QkvError(f"unknown schedule {self.schedule!r}; choose one of: {', '.join(SCHEDULE_KINDS)}")
-        if self.strategy not in STRATEGIES:
-            raise QkvError(f"unknown strategy {self.strategy!r}; choose one of: {', '.join(STRATEGIES)}")
-        if self.dist_timeout <= 0:
-            raise QkvError(f"dist-timeout must be positive seconds, got {self.dist_timeout}")
-        if self.dtype not in DTYPES:
-            raise QkvError(f"unknown dtype {self.dtype!r}; choose one of: {', '.join(DTYPES)}")
-        for name in ("block_size", "batch_size", "grad_accum", "max_steps", "eval_interval"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise QkvError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
-        for name in ("warmup_steps", "sample_tokens"):
-            if getattr(self, name) < 0:
-                raise QkvError(f"{name.replace('_', '-')} must be ≥ 0, got {getattr(self, name)}")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise QkvError(f"unknown {f.name} {getattr(self, f.name)!r}; choose one of: {', '.join(choices)}")
+        for name in ("batch_size", "grad_accum", "max_steps", "eval_interval"):
+            _positive_int(self, name)
+        if self.cpu_threads is not None:
+            _positive_int(self, "cpu_threads")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise QkvError(f"warmup-steps must be ≥ 0, got {self.warmup_steps}")
         if self.lr <= 0:
             raise QkvError(f"lr must be positive, got {self.lr}")
         if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
             raise QkvError(f"min-lr must be in [0, lr={self.lr}], got {self.min_lr}")
         if self.max_time is not None and self.max_time <= 0:
             raise QkvError(f"max-time must be positive seconds, got {self.max_time}")
+        if self.dist_timeout <= 0:
+            raise QkvError(f"dist-timeout must be positive seconds, got {self.dist_timeout}")
         if self.grad_clip < 0 or self.weight_decay < 0:
             raise QkvError("grad-clip and weight-decay must be ≥ 0")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise QkvError(f"betas must be in [0, 1), got ({self.beta1}, {self.beta2})")
-        if self.eval_tokens is not None and self.eval_tokens < 2:
-            raise QkvError(f"eval-tokens must be ≥ 2, got {self.eval_tokens}")
+        self._check_model()
+
+    def _check_model(self) -> None:
+        """Lay the given model fields over the task's recipe, refusing names its model config does not have."""
         if not isinstance(self.model, dict):
-            raise QkvError(f"model must be a dict of DecoderLMConfig fields, got {type(self.model).__name__}")
-        self.model = {**DEFAULT_MODEL, **self.model}  # settings given override the default recipe's
-        if self.data is not None:
-            self.data = str(Path(self.data).expanduser().resolve())  # so eval/resume work from any directory
-        known = {f.name for f in dataclasses.fields(DecoderLMConfig)}
-        unknown = sorted(set(self.model) - known)
+            raise QkvError(f"model must be a dict of {self.model_config.__name__} fields, got {type(self.model)}")
+        self.model = {**self.default_model, **self.model}
+        unknown = sorted(set(self.model) - {f.name for f in dataclasses.fields(self.model_config)})
         if unknown:
             names = ", ".join(map(str, unknown))
-            raise QkvError(f"unknown model field(s): {names}; see DecoderLMConfig for the fields")
-        if "vocab_size" in self.model:
-            raise QkvError("the model's vocab_size comes from the tokenizer; use --vocab-size (bpe) instead")
+            raise QkvError(f"unknown model field(s): {names}; see {self.model_config.__name__} for the fields")
+
+    @property
+    def given(self) -> frozenset[str]:
+        """The settings this config was given explicitly (the others hold defaults)."""
+        return self.__dict__.get("_given", frozenset())
 
     @property
     def final_lr(self) -> float:
         """The learning rate at the end of the schedule."""
         return self.lr / 20 if self.min_lr is None else self.min_lr
 
+    def build_model_config(self, **task_fields: Any) -> Any:
+        """The model config: the task's own fields (vocabulary, …) plus `model`, with one-line errors."""
+        try:
+            return self.model_config(**{**task_fields, **self.model})
+        except TypeError as e:  # a value of the wrong type, e.g. --model dropout=abc
+            raise QkvError(f"invalid model setting in {self.model}: {e}") from None
+
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
+        """A JSON-ready dict of every setting."""
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        """Build from config.json's "training" entry, refusing unknown keys."""
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        """Build from config.json's "training" entry, refusing unknown keys by name."""
         unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
-            raise QkvError(f"unknown training setting(s): {', '.join(unknown)}")
+            raise QkvError(f"unknown {cls.task or 'training'} setting(s): {', '.join(unknown)}")
         return cls(**data)
+
+    def resumed_from(self, stored: dict[str, Any]) -> RunConfig:
+        """The stored run's settings with the ones given here laid over them; what the run trains may not change."""
+        kept = type(self).from_dict(stored)
+        changes: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name not in self.given or f.name in ("resume", "out_dir"):
+                continue
+            new, old = getattr(self, f.name), getattr(kept, f.name)
+            if f.metadata.get("fixed") and new != old:
+                flag = "--model" if f.name == "model" else f"--{dashed(f.name)}"
+                raise QkvError(f"{flag} cannot change on --resume (the run has {f.name}={old!r}); drop it")
+            changes[f.name] = new
+        return type(self)(**{**stored, **changes, "resume": True, "out_dir": self.out_dir})
+
+
+def fixed_fields(cls: type[RunConfig]) -> list[str]:
+    """The settings a resumed run keeps whatever is given."""
+    return [f.name for f in dataclasses.fields(cls) if f.metadata.get("fixed")]
+
+
+def _positive_int(cfg: RunConfig, name: str) -> None:
+    """Refuse a setting that is not a positive integer, naming it as the command line does."""
+    value = getattr(cfg, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise QkvError(f"{dashed(name)} must be a positive integer, got {value!r}")

@@ -139,13 +139,17 @@ def wrap_model(model: nn.Module, ctx: DistContext) -> nn.Module:
         if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
             raise QkvError("norm=batch keeps per-rank running statistics; use layer or rms norm with several processes")
         return DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-    # One FSDP unit per decoder layer (its parameters are gathered just before it runs, freed after),
-    # then the root for the rest: the embeddings and the tied output head share one unit.
-    for layer in getattr(getattr(model, "decoder", None), "layers", []):
-        fully_shard(layer)
+    # One FSDP unit per encoder and decoder layer (its parameters are gathered just before it runs, freed
+    # after), then the root for the rest: the embeddings and the tied output head share one unit.
+    for stack in ("encoder", "decoder"):
+        for layer in getattr(getattr(model, stack, None), "layers", []):
+            fully_shard(layer)
     fully_shard(model)
+    for method in ("encode", "decode"):  # an encoder–decoder is also called through these, not only forward
+        if hasattr(model, method):
+            register_fsdp_forward_method(model, method)
     return model
 
 
@@ -172,15 +176,22 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
         yield
 
 
-def rows_per_rank(global_batch: int, ctx: DistContext) -> slice:
-    """This rank's rows of a global batch of `global_batch` windows."""
-    if global_batch % ctx.world_size:
-        raise QkvError(
-            f"the run's global batch of {global_batch} sequences does not split over {ctx.world_size} processes; "
-            "resume with a process count that divides it"
-        )
-    per_rank = global_batch // ctx.world_size
-    return slice(ctx.rank * per_rank, (ctx.rank + 1) * per_rank)
+def agree(value: str, ctx: DistContext) -> str:
+    """Rank 0's value on every rank (e.g. the timestamped default run directory, chosen once)."""
+    if not ctx.enabled:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return str(box[0])
+
+
+def sum_over_ranks(values: list[int], ctx: DistContext) -> list[int]:
+    """Integer counts (e.g. a step's target tokens) summed over all ranks."""
+    if not ctx.enabled:
+        return values
+    t = torch.tensor(values, dtype=torch.int64, device=ctx.device)
+    dist.all_reduce(t)
+    return [int(v) for v in t.tolist()]
 
 
 def mean_over_ranks(value: float, ctx: DistContext) -> float:

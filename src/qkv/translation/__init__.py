@@ -1,25 +1,11 @@
-"""German → English translation with the encoder–decoder Transformer: corpus, training, decoding, evaluation.
+"""Translation with the encoder–decoder Transformer: corpora, batches, the loss, decoding, BLEU, attention maps.
 
-One module per concept: corpus (the Ding sentence pairs and their split), batching, step (loss and
-training step), decoding (greedy and beam search), trainer, run (run directories), metrics (BLEU,
-chrF), attention_maps, toy (copy/reverse sanity tasks), cli.
+    corpus.py          the Ding German–English sentence pairs, a user's TSV pairs, fixed splits
+    batching.py        padded source, shifted target (teacher forcing), length buckets
+    step.py            the label-smoothed loss and its evaluation
+    decoding.py        greedy decoding and beam search (GNMT's length and coverage penalties)
+    run.py             Translator: text in, text out
+    metrics.py         BLEU and chrF (sacrebleu, in the translate extra)
+    attention_maps.py  cross-attention maps of a translation
+Training a translation model is the translate task of the one loop: qkv.tasks.translate.
 """
-
-from qkv.translation.batching import Seq2SeqBatch, Specials, make_batch
-from qkv.translation.config import TranslateConfig
-from qkv.translation.decoding import beam_search, greedy_decode
-from qkv.translation.run import TranslationRun, load_translation
-from qkv.translation.trainer import TranslateResult, train_translation
-
-__all__ = [
-    "Seq2SeqBatch",
-    "Specials",
-    "TranslateConfig",
-    "TranslateResult",
-    "TranslationRun",
-    "beam_search",
-    "greedy_decode",
-    "load_translation",
-    "make_batch",
-    "train_translation",
-]

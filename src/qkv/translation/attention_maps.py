@@ -8,45 +8,47 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from qkv.attention.masks import padding_mask_from_ids
-from qkv.translation.run import TranslationRun
+from qkv.attention import padding_mask_from_ids, record_attention
+from qkv.translation.run import Translator
 
 
-def _labels(run: TranslationRun, ids: list[int]) -> list[str]:
+def _labels(translator: Translator, ids: list[int]) -> list[str]:
     """Readable token strings (byte-level BPE pieces decoded one by one)."""
-    names = {run.specials.bos: "<s>", run.specials.eos: "</s>", run.specials.pad: "<pad>"}
-    return [names.get(i) or run.tokenizer.decode([i]) for i in ids]
+    sp = translator.specials
+    names = {sp.bos: "<s>", sp.eos: "</s>", sp.pad: "<pad>"}
+    return [names.get(i) or translator.tokenizer.decode([i]) for i in ids]
 
 
 @torch.no_grad()
 def cross_attention(
-    run: TranslationRun, sentence: str, beam_size: int = 1
+    translator: Translator, sentence: str, beam_size: int = 1
 ) -> tuple[list[str], list[str], list[Tensor]]:
     """Source labels, target labels and per-layer cross-attention weights (H, T, S) for a sentence's translation.
 
     The translation is decoded first; then one teacher-forced pass over <s> + output records the
     weights, which are the ones incremental decoding used (the same prefixes, the same memory).
     """
-    src = run.encode_sources([sentence])  # (1, S)
-    sp = run.specials
-    out = run.decode_ids(src, beam_size)
+    src = translator.encode_sources([sentence])  # (1, S)
+    sp, model = translator.specials, translator.model
+    out = translator.decode_ids(src, beam_size)
     tgt = torch.tensor([[sp.bos, *out[0]]], device=src.device)  # (1, T)
     src_mask = padding_mask_from_ids(src, sp.pad)  # (1, 1, 1, S)
-    memory = run.model.encode(src, src_mask)
-    _, maps = run.model.decode(tgt, memory, src_mask, return_weights=True)
+    with record_attention(model, only="decoder.layers.*.cross_attn") as recorder:
+        model.decode(tgt, model.encode(src, src_mask), src_mask)
     # Target labels name what each row predicted: output token t was produced while reading tgt[:, t].
-    targets = _labels(run, [*out[0], sp.eos])
-    return _labels(run, src[0].tolist()), targets, [w[0].float().cpu() for w in maps.cross_attn]
+    targets = _labels(translator, [*out[0], sp.eos])
+    layers = [w[0].float().cpu() for w in recorder.weights_of("decoder.layers.*.cross_attn")]
+    return _labels(translator, src[0].tolist()), targets, layers
 
 
-def save_cross_attention_maps(run: TranslationRun, sentence: str, out_dir: Path, beam_size: int = 1) -> list[Path]:
+def save_cross_attention_maps(translator: Translator, sentence: str, out_dir: Path, beam_size: int = 1) -> list[Path]:
     """Write cross_attention_layer{N}.png (heads in a grid) for the sentence; return the paths."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, headless
     import matplotlib.pyplot as plt
 
-    sources, targets, layers = cross_attention(run, sentence, beam_size)
+    sources, targets, layers = cross_attention(translator, sentence, beam_size)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for layer, weights in enumerate(layers, start=1):  # weights (H, T, S)

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from qkv.attention.masks import padding_mask_from_ids
+from qkv.tokenizers import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,12 @@ class Seq2SeqBatch:
     tgt_in: Tensor
     tgt_out: Tensor
     pad: int
+    n_targets: int = -1  # target tokens the loss counts (padding excluded); -1: count them here
+
+    def __post_init__(self) -> None:
+        """Count the real target tokens (one host sync, here rather than at every use)."""
+        if self.n_targets < 0:
+            self.n_targets = int((self.tgt_out != self.pad).sum())
 
     @property
     def src_mask(self) -> Tensor:
@@ -41,12 +48,13 @@ class Seq2SeqBatch:
 
     @property
     def n_tokens(self) -> int:
-        """Target tokens that the loss counts (padding excluded)."""
-        return int((self.tgt_out != self.pad).sum())
+        """Target tokens read (padding excluded): what tokens/s counts for translation."""
+        return self.n_targets
 
     def to(self, device: torch.device) -> Seq2SeqBatch:
         """The same batch on `device`."""
-        return Seq2SeqBatch(self.src.to(device), self.tgt_in.to(device), self.tgt_out.to(device), self.pad)
+        return Seq2SeqBatch(self.src.to(device), self.tgt_in.to(device), self.tgt_out.to(device), self.pad,
+                            self.n_targets)  # fmt: skip
 
 
 def pad_sequences(seqs: Sequence[Sequence[int]], pad: int) -> Tensor:
@@ -69,11 +77,15 @@ def make_batch(sources: Sequence[Sequence[int]], targets: Sequence[Sequence[int]
     return Seq2SeqBatch(source_tensor(sources, sp), tgt_in, tgt_out, sp.pad)
 
 
-def length_buckets(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], max_tokens: int) -> list[list[int]]:
+Pairs = Sequence[tuple[Sequence[int], Sequence[int]]]
+
+
+def length_buckets(pairs: Pairs, max_tokens: int, min_rows: int = 1) -> list[list[int]]:
     """Index lists of pairs of similar length with at most ~max_tokens (padded) tokens per side each.
 
     Sorting by length before cutting batches keeps padding (wasted compute) small; the training
-    loop then draws whole buckets at random, so batches are still shuffled.
+    loop then draws whole buckets at random, so batches are still shuffled. A last bucket of fewer
+    than min_rows pairs joins the one before it (the loop cuts a bucket into that many micro-batches).
     """
     order = sorted(range(len(pairs)), key=lambda i: (len(pairs[i][1]), len(pairs[i][0]), i))
     buckets: list[list[int]] = []
@@ -88,4 +100,20 @@ def length_buckets(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], max_tok
         longest = max(longest, need)
     if current:
         buckets.append(current)
+    if len(buckets) > 1 and len(buckets[-1]) < min_rows:
+        buckets[-2] += buckets.pop()
     return buckets
+
+
+def encode_pairs(
+    tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]], max_len: int
+) -> list[tuple[list[int], list[int]]]:
+    """Token ids of (source, target) pairs, each side cut to max_len − 1 tokens (room for <s> or </s>)."""
+    return [(tokenizer.encode(src)[: max_len - 1], tokenizer.encode(tgt)[: max_len - 1]) for src, tgt in pairs]
+
+
+def batches_of(pairs: Pairs, max_tokens: int, sp: Specials) -> list[Seq2SeqBatch]:
+    """Length-bucketed batches of the pairs, every pair exactly once."""
+    return [
+        make_batch([pairs[i][0] for i in b], [pairs[i][1] for i in b], sp) for b in length_buckets(pairs, max_tokens)
+    ]

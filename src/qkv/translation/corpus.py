@@ -11,12 +11,14 @@ import functools
 import gzip
 import hashlib
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 
 import torch
 
+from qkv.data.corpus import read_text_file
 from qkv.errors import QkvError
 
 DE_EN_RESOURCE = "de_en.tsv.gz"
@@ -93,10 +95,40 @@ class Splits:
     test: list[tuple[str, str]]
 
 
-def split_de_en(pairs: tuple[tuple[str, str], ...] | None = None) -> Splits:
-    """The fixed split: a seeded permutation; its first 1,000 pairs are test, the next 1,000 validation."""
-    pairs = load_de_en() if pairs is None else pairs
-    order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(SPLIT_SEED)).tolist()
+def split_pairs(pairs: Sequence[tuple[str, str]], held_out: int, seed: int = SPLIT_SEED) -> Splits:
+    """A seeded permutation of the pairs: its first `held_out` pairs are test, the next `held_out` validation."""
+    order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed)).tolist()
     shuffled = [pairs[i] for i in order]
-    test, val = shuffled[:TEST_SIZE], shuffled[TEST_SIZE : TEST_SIZE + VAL_SIZE]
-    return Splits(train=shuffled[TEST_SIZE + VAL_SIZE :], val=val, test=test)
+    test, val = shuffled[:held_out], shuffled[held_out : 2 * held_out]
+    return Splits(train=shuffled[2 * held_out :], val=val, test=test)
+
+
+def split_de_en(pairs: tuple[tuple[str, str], ...] | None = None) -> Splits:
+    """The fixed split of the Ding pairs: 1,000 test, 1,000 validation, the rest training."""
+    assert TEST_SIZE == VAL_SIZE
+    return split_pairs(load_de_en() if pairs is None else pairs, TEST_SIZE)
+
+
+def read_pairs_file(path: str | Path) -> list[tuple[str, str]]:
+    """`source<TAB>target` pairs, one per line, from a UTF-8 file; one-line errors for anything else."""
+    text = read_text_file(path)  # missing, a directory, not UTF-8, empty: one-line errors already
+    pairs = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        if "\t" not in line:
+            raise QkvError(f"{path}, line {number}: no tab; each line is source<TAB>target")
+        source, target = (side.strip() for side in line.split("\t", 1))
+        if not source or not target or "\t" in target:
+            raise QkvError(f"{path}, line {number}: each line is source<TAB>target, both non-empty, one tab")
+        pairs.append((source, target))
+    return pairs
+
+
+def split_pairs_file(path: str | Path) -> Splits:
+    """A user's pairs, split like the Ding corpus: a tenth each (at most 1,000) for test and validation."""
+    pairs = read_pairs_file(path)
+    held_out = min(TEST_SIZE, len(pairs) // 10)
+    if held_out < 1:
+        raise QkvError(f"{path} has {len(pairs)} pairs; at least 10 are needed to hold out validation and test pairs")
+    return split_pairs(pairs, held_out)

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from qkv.attention import LayerCache
+from qkv.attention import LayerCache, record_attention
 from qkv.attention.masks import padding_mask_from_ids
 from qkv.errors import QkvError
 from qkv.models import Transformer
@@ -76,16 +76,13 @@ class _Stepper:
 
     def log_probs_and_attention(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """log_probs, and the newest position's cross-attention in the last decoder layer, mean over heads (N, S)."""
-        if self.cache is not None:
-            logits, maps = self.model.decode(
-                tokens[:, -1:], self.memory, self.src_mask, cache=self.cache, return_weights=True
-            )
-        else:
-            logits, maps = self.model.decode(tokens, self.memory, self.src_mask, return_weights=True)
-        if not maps.cross_attn:
+        last = f"decoder.layers.{len(self.model.decoder.layers) - 1}.cross_attn"
+        with record_attention(self.model, only=last) as recorder:  # only that layer leaves the fused kernel
+            log_probs = self.log_probs(tokens)
+        weights = recorder.weights_of(last)
+        if not weights:
             raise QkvError("the coverage penalty needs a decoder with cross-attention")
-        weights = maps.cross_attn[-1]  # (N, H, t, S)
-        return logits[:, -1].float().log_softmax(-1), weights[:, :, -1].float().mean(1)
+        return log_probs, weights[-1][:, :, -1].float().mean(1)  # (N, H, t, S) → (N, S)
 
     def reorder(self, index: Tensor) -> None:
         """Keep prefixes `index` (N,), in that order (beam search reshuffles them every step)."""

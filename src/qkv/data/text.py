@@ -1,15 +1,16 @@
-"""Text → tokenizer → train/val token ids, the same way for training and for `qkv eval`."""
+"""Text → tokenizer → train/val token ids, the same way for training and for `qkv eval` (language models)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from qkv.data import load_shakespeare, read_text_file
+from qkv.data.corpus import load_shakespeare, read_text_file
 from qkv.errors import QkvError
-from qkv.tokenizers import Tokenizer, make_tokenizer
+from qkv.tokenizers import ENDOFTEXT, Tokenizer, make_tokenizer
 
 TRAIN_FRACTION = 0.9
 
@@ -29,12 +30,17 @@ def load_corpus(path: str | None) -> str:
 
 
 def prepare_text_data(
-    path: str | None, tokenizer_kind: str = "char", bpe_vocab_size: int = 1024, tokenizer: Tokenizer | None = None
+    path: str | None,
+    tokenizer_kind: str = "char",
+    vocab_size: int | None = None,
+    tokenizer: Tokenizer | None = None,
+    special_tokens: Sequence[str] = (ENDOFTEXT,),
 ) -> TextData:
     """Split the text by characters (first 90 % train, last 10 % val), then tokenize each part.
 
     A new char vocabulary comes from the whole text (so val never holds an unknown character); a
-    new BPE is trained on the train split only. Pass `tokenizer` to reuse a saved one.
+    new BPE (vocab_size tokens, special_tokens first) is trained on the train split only. Pass
+    `tokenizer` to reuse a saved one.
     """
     text = load_corpus(path)
     split = int(TRAIN_FRACTION * len(text))
@@ -43,7 +49,7 @@ def prepare_text_data(
         if tokenizer_kind == "char":
             tokenizer = make_tokenizer("char", text)
         else:
-            tokenizer = make_tokenizer(tokenizer_kind, train_text, bpe_vocab_size)
+            tokenizer = make_tokenizer(tokenizer_kind, train_text, vocab_size, special_tokens)
     train_ids = torch.tensor(tokenizer.encode(train_text), dtype=torch.long)
     val_ids = torch.tensor(tokenizer.encode(val_text), dtype=torch.long)
     if len(val_ids) < 2:

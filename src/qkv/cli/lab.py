@@ -1,7 +1,7 @@
 """`qkv lab NAME`: run one experiment, print its table, write its PNG; `qkv lab report`: all of them.
 
 Only argparse is imported at module level: `qkv --help` builds this parser on every call, and the
-experiments (numpy, and matplotlib once a figure is drawn) load only when a handler runs.
+experiments (torch, numpy, and matplotlib once a figure is drawn) load only when a handler runs.
 """
 
 from __future__ import annotations
@@ -110,8 +110,6 @@ def _experiment(lab: Any, name: str, help_text: str, runner: Runner) -> argparse
 
 def register(sub: Any) -> None:
     """Add `qkv lab` and its experiments to the `qkv` command's sub-parsers."""
-    from qkv.lab.attention_map import DEFAULT_TEXT  # a constant: imports only numpy/torch, already loaded
-
     lab_parser = sub.add_parser("lab", help="experiments about attention: a table and a plot each, or an HTML report")
     lab_parser.set_defaults(handler=lambda args: lab_parser.print_help() or 0)
     lab = lab_parser.add_subparsers(dest="experiment", metavar="EXPERIMENT")
@@ -161,8 +159,8 @@ def register(sub: Any) -> None:
 
     p = _experiment(lab, "attention-map", "a trained run's attention weights, every layer and head",
                     _run_attention_map)  # fmt: skip
-    p.add_argument("run_dir", help="a run directory written by `qkv train`")
-    p.add_argument("--text", default=DEFAULT_TEXT, help=f"the input text (default {DEFAULT_TEXT!r})")
+    p.add_argument("run_dir", help="a run directory written by `qkv train` (language model, translation, masked LM)")
+    p.add_argument("--text", help="the input text (default: a line of Romeo and Juliet)")
     p.add_argument("--checkpoint", default="best", help="best or last")
 
     p = lab.add_parser("report", help="every experiment on one self-contained HTML page",

@@ -1,0 +1,52 @@
+"""The `qkv` command: train, generate, eval, translate, convert, lab, bench.
+
+Every user mistake ends in one line on stderr and exit code 2, never a traceback. Building the parser
+imports no heavy package (torch loads when a command runs), so `qkv --help` answers at once. The
+library never imports this package: it is the entry point, nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from qkv.cli import bench, convert, lab, runs, train
+from qkv.cli.common import Parser, key_value
+from qkv.errors import QkvError
+
+__all__ = ["build_parser", "key_value", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full `qkv` argument parser (`qkv train`'s options are built per task when it runs)."""
+    parser = Parser(prog="qkv", description="qkv — the Transformer, complete.")
+    sub = parser.add_subparsers(dest="command", parser_class=Parser)
+    for register in (train.register, runs.register, convert.register, lab.register, bench.register):
+        register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `qkv` command; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv else None
+    try:
+        if command == "train":  # its options depend on the task, so it parses its own arguments
+            return train.main(argv[1:])
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 0
+        return int(args.handler(args))
+    except QkvError as e:
+        print(f"qkv {command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"qkv {command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

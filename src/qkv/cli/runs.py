@@ -1,0 +1,186 @@
+"""The commands that use a trained run: `qkv generate`, `qkv eval` and `qkv translate`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from qkv.errors import QkvError
+from qkv.io import DTYPES
+
+
+def register(sub: Any) -> None:
+    """Add generate, eval and translate to the `qkv` sub-parsers."""
+    p = sub.add_parser("generate", help="sample text from a trained language model, streamed as it is produced")
+    p.set_defaults(handler=cmd_generate)
+    p.add_argument("run_dir", help="a run directory written by `qkv train` (or `qkv convert`)")
+    p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    p.add_argument("--max-new-tokens", type=int, default=500)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="weights and activations while decoding; bfloat16 reads half the bytes per token")  # fmt: skip
+    _run_options(p)
+
+    p = sub.add_parser("eval", help="a run's measures on its held-out data (loss, BLEU, accuracy …)")
+    p.set_defaults(handler=cmd_eval)
+    p.add_argument("run_dir", help="a run directory written by `qkv train`")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--beam", type=int, default=4, help="translation runs: beam size compared with greedy")
+    _penalty_options(p)
+    _run_options(p)
+
+    p = sub.add_parser("translate", help="translate sentences with a run of `qkv train translate`")
+    p.set_defaults(handler=cmd_translate)
+    p.add_argument("run_dir", help="a run directory written by `qkv train translate`")
+    p.add_argument("sentence", nargs="?", help="a sentence to translate (or use --input)")
+    p.add_argument("--input", help="a file with one sentence per line, or '-' for stdin")
+    p.add_argument("--beam", type=int, default=4, help="beam size (1 = greedy; default 4)")
+    _penalty_options(p)
+    p.add_argument("--attention-maps", metavar="OUTDIR", help="write one cross-attention PNG per layer here")
+    _run_options(p)
+
+
+def _run_options(p: argparse.ArgumentParser) -> None:
+    """Which weights, on which device."""
+    p.add_argument("--checkpoint", default="best", help="best or last")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+
+
+def _penalty_options(p: argparse.ArgumentParser) -> None:
+    """Beam search's α and β, shared by `qkv translate` and `qkv eval`."""
+    p.add_argument("--length-penalty", type=float, metavar="ALPHA", help="beam: GNMT's α (default: the run's, 0.6)")
+    p.add_argument("--coverage-penalty", type=float, metavar="BETA",
+                   help="beam: GNMT's β, the cost of unattended source tokens (default: the run's, 0.2)")  # fmt: skip
+
+
+def _load(args: argparse.Namespace, expect: str | None = None) -> Any:
+    """The run named on the command line, on its device."""
+    from qkv.io.devices import resolve_device
+    from qkv.tasks import load
+
+    return load(args.run_dir, args.checkpoint, resolve_device(args.device), expect)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Stream samples to stdout."""
+    import torch
+
+    from qkv.generation import Sampling, stream
+
+    if args.num_samples < 1:
+        raise QkvError(f"--num-samples must be ≥ 1, got {args.num_samples}")
+    run = _load(args, expect="lm")
+    tokenizer = run.require_tokenizer()
+    run.model.to(getattr(torch, args.dtype))  # the model only: token ids and the sampling stay as they are
+    if args.prompt == "":
+        raise QkvError("--prompt is empty; give at least one character to continue")
+    prompt_ids = tokenizer.encode_tensor(args.prompt).to(run.device)
+    ids = prompt_ids[None, :].repeat(args.num_samples, 1)  # (N, T): one row per sample
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    # stream() checks its arguments now, before anything is printed.
+    steps = stream(run.model, ids, args.max_new_tokens, sampling, tokenizer.eos_id, not args.no_cache)
+    texts: list[list[int]] = [[] for _ in range(args.num_samples)]
+    streamed = _TextStream(tokenizer.decode, prompt_ids.tolist())  # sample 1, when it is the only one
+    if args.num_samples == 1:
+        sys.stdout.write(args.prompt)
+    for step in steps:
+        for row, token in enumerate(step.tolist()):
+            if token != tokenizer.eos_id:
+                texts[row].append(token)
+                if args.num_samples == 1:
+                    sys.stdout.write(streamed.push(token))
+                    sys.stdout.flush()
+    if args.num_samples == 1:
+        sys.stdout.write(streamed.end() + "\n")
+    else:
+        for row, tokens in enumerate(texts):
+            print(f"--- sample {row + 1} ---\n{args.prompt}{tokenizer.decode(tokens)}")
+    return 0
+
+
+class _TextStream:
+    """Text of a growing token sequence, piece by piece, decoding only the newest tokens (not O(T²))."""
+
+    def __init__(self, decode: Callable[[list[int]], str], context: list[int]) -> None:
+        self._decode = decode
+        self._tail = context[-4:]  # a few printed tokens: SentencePiece-style decoders need the left context
+        self._pending: list[int] = []  # tokens not printed yet
+
+    def push(self, token: int) -> str:
+        """Text that `token` completes ('' while a multi-byte character or a rewrite is incomplete)."""
+        self._pending.append(token)
+        return self._flush(final=False)
+
+    def end(self) -> str:
+        """Whatever is left, printed as is."""
+        return self._flush(final=True)
+
+    def _flush(self, final: bool) -> str:
+        before, after = self._decode(self._tail), self._decode(self._tail + self._pending)
+        if after.endswith("\ufffd") and not final:  # wait for the rest of the character
+            return ""
+        # A decoder that rewrites text it already printed (e.g. cleaning up spaces) cannot be undone on a
+        # terminal: print what differs from the common prefix and go on.
+        common = next(
+            (i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b), min(len(before), len(after))
+        )
+        piece = after[common:]
+        self._tail, self._pending = (self._tail + self._pending)[-4:], []
+        return piece
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Print the run's measures on its held-out data, as its task defines them."""
+    from qkv.io.run_dir import read_run_config
+    from qkv.tasks.base import EvalOptions
+
+    options = EvalOptions(args.batch_size, args.beam, args.length_penalty, args.coverage_penalty)
+    task = read_run_config(Path(args.run_dir))["task"]
+    if task != "translate":
+        options.refuse_beam_options(task)  # before a model is built from the run
+    for line in _load(args).evaluate(options):
+        print(line)
+    return 0
+
+
+def _sentences(args: argparse.Namespace) -> list[str]:
+    """The sentences to translate: the argument, or one per line of --input (a file or '-' for stdin)."""
+    if (args.sentence is None) == (args.input is None):
+        raise QkvError("give one sentence to translate or --input FILE (or '-' for stdin), not both or neither")
+    if args.sentence is not None:
+        lines = [args.sentence]
+    elif args.input == "-":
+        lines = sys.stdin.read().splitlines()
+    else:
+        path = Path(args.input)
+        if not path.is_file():
+            raise QkvError(f"input file {path} does not exist")
+        lines = path.read_text(encoding="utf-8").splitlines()
+    sentences = [line.strip() for line in lines if line.strip()]
+    if not sentences:
+        raise QkvError("nothing to translate: the sentence is empty")
+    return sentences
+
+
+def cmd_translate(args: argparse.Namespace) -> int:
+    """Print one translation per input sentence; optionally write cross-attention maps."""
+    if args.beam < 1:
+        raise QkvError(f"--beam must be ≥ 1, got {args.beam}")
+    sentences = _sentences(args)
+    translator = _load(args, expect="translate").translator(args.length_penalty, args.coverage_penalty)
+    for line in translator.translate(sentences, args.beam):
+        print(line)
+    if args.attention_maps:
+        from qkv.translation.attention_maps import save_cross_attention_maps
+
+        paths = save_cross_attention_maps(translator, sentences[0], Path(args.attention_maps), args.beam)
+        print(f"cross-attention maps: {', '.join(str(p) for p in paths)}", file=sys.stderr)
+    return 0

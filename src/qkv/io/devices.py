@@ -1,0 +1,53 @@
+"""Which device a run uses, and the mixed-precision context for a dtype."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from qkv.errors import QkvError
+from qkv.io import DTYPES
+
+__all__ = ["DTYPES", "autocast_context", "cpu_threads", "resolve_device"]
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' → cuda if present, else cpu; anything else must exist on this machine."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise QkvError(f"unknown device {name!r}; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise QkvError("device cuda requested but no CUDA GPU is available; use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise QkvError(f"device {name!r} does not exist: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    elif device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise QkvError("device mps requested but Apple's MPS backend is not available here; use --device cpu")
+    elif device.type != "cpu":
+        raise QkvError(f"unsupported device {name!r}; use auto, cpu, cuda, cuda:N or mps")
+    return device
+
+
+def autocast_context(device: torch.device, dtype: str) -> contextlib.AbstractContextManager[Any]:
+    """Mixed precision for bf16/fp16 (weights stay fp32); nothing for fp32."""
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=getattr(torch, dtype))
+
+
+@contextlib.contextmanager
+def cpu_threads(n: int | None, device: torch.device) -> Any:
+    """PyTorch's intra-op CPU threads set to n while the block runs (None or a GPU: unchanged)."""
+    previous = torch.get_num_threads()
+    if n is not None and device.type == "cpu":
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

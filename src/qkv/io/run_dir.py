@@ -1,0 +1,135 @@
+"""A run directory: what a training run leaves behind, and reading it back (older layouts included).
+
+    config.json              task, model config, run config, tokenizer summary (JSON)
+    model.safetensors        the best weights (by the task's own measure: val loss, BLEU, …)
+    last.safetensors         the latest weights  ┐
+    last_optim.safetensors   optimiser + RNG     ├ everything `--resume` needs (qkv.training.checkpoint)
+    last_state.json          step, counters, hashes of the two files above ┘
+    tokenizer.json           the tokenizer (tasks with a fixed vocabulary have none)
+    metrics.jsonl            one JSON object per evaluation
+    loss.png                 train and validation curves
+No pickle anywhere: loading a run never executes code from it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor, nn
+
+from qkv.errors import QkvError
+from qkv.io.files import PICKLE_SUFFIXES, atomic_write_bytes, atomic_write_json, load_json, load_safetensors
+
+FORMAT = "qkv-run/1"
+CONFIG_FILE = "config.json"
+BEST_FILE = "model.safetensors"
+LAST_FILE = "last.safetensors"
+OPTIM_FILE = "last_optim.safetensors"
+STATE_FILE = "last_state.json"
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+CHECKPOINTS = ("best", "last")
+
+# Runs written before config.json named its task: the task follows from the model type.
+_TASK_OF_MODEL_TYPE = {"decoder_lm": "lm", "transformer": "translate"}
+# Settings renamed since: (task, old name) → new name.
+_RENAMED = {("lm", "bpe_vocab_size"): "vocab_size", ("translate", "batch_tokens"): "batch_size"}
+
+
+def write_run_config(directory: Path, task: str, model_type: str, model: dict[str, Any], training: dict[str, Any],
+                     tokenizer: dict[str, Any] | None) -> None:  # fmt: skip
+    """Write config.json: the task, the model's config, the run's config and a tokenizer summary."""
+    atomic_write_json(
+        Path(directory) / CONFIG_FILE,
+        {"format": FORMAT, "task": task, "model_type": model_type, "model": model, "training": training,
+         "tokenizer": tokenizer},
+    )  # fmt: skip
+
+
+def read_run_config(directory: Path) -> dict[str, Any]:
+    """config.json of a run directory in today's layout, with errors that say what is wrong with the directory."""
+    directory = Path(directory)
+    if not directory.exists():
+        raise QkvError(f"run directory {directory} does not exist")
+    if not directory.is_dir():
+        raise QkvError(f"{directory} is not a directory; pass the run directory that `qkv train` wrote")
+    if not (directory / CONFIG_FILE).is_file():
+        pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            names = ", ".join(pickles)
+            raise QkvError(f"refusing to load pickle file(s) {names} in {directory}: qkv only reads safetensors")
+        raise QkvError(f"{directory} is not a qkv run directory ({CONFIG_FILE} missing)")
+    config = load_json(directory / CONFIG_FILE)
+    if config.get("format") != FORMAT or "model" not in config or "training" not in config:
+        raise QkvError(f"{directory / CONFIG_FILE} is not a qkv run config (format {config.get('format')!r})")
+    return migrate_config(config)
+
+
+def migrate_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A config.json of any earlier layout in today's: the task named, renamed settings under their new names."""
+    config = dict(config)
+    model_type = config.setdefault("model_type", "decoder_lm")
+    task = config.setdefault("task", _TASK_OF_MODEL_TYPE.get(model_type, model_type))
+    training = dict(config["training"])
+    for (owner, old), new in _RENAMED.items():
+        if owner == task and old in training:
+            training[new] = training.pop(old)
+    training.pop("resume", None)  # how the run was last started, not a setting of the run
+    config["training"] = training
+    return config
+
+
+def migrate_state(extra: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's extra state in today's layout (older runs kept the best score under a metric's name)."""
+    extra = dict(extra)
+    if "best" not in extra:
+        extra["best"] = extra.pop("best_val_loss", extra.pop("best_val_bleu", None))
+    extra.setdefault("train_s", extra["elapsed_s"])  # checkpoints before train_s existed: no overhead known
+    return extra
+
+
+def check_weights(model: nn.Module, state: dict[str, Tensor], source: Path) -> None:
+    """Refuse `state` unless it has exactly the model's tensors with the model's shapes."""
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing:
+        raise QkvError(f"{source} lacks tensor(s) {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}")
+    if unexpected:
+        raise QkvError(f"{source} has unexpected tensor(s) {', '.join(unexpected[:5])}")
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            want = tuple(expected[name].shape)
+            raise QkvError(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, the model expects {want}")
+
+
+def load_weights(model: nn.Module, state: dict[str, Tensor], source: Path) -> None:
+    """Copy `state` into the model, naming any missing, unexpected or mis-shaped tensor."""
+    check_weights(model, state, source)
+    model.load_state_dict(state)
+
+
+def load_run_weights(model: nn.Module, directory: Path, checkpoint: str) -> None:
+    """Copy a run's best (model.safetensors) or last (last.safetensors) weights into the model."""
+    if checkpoint not in CHECKPOINTS:
+        raise QkvError(f"checkpoint must be 'best' or 'last', got {checkpoint!r}")
+    weights = Path(directory) / (BEST_FILE if checkpoint == "best" else LAST_FILE)
+    if not weights.is_file():
+        raise QkvError(f"{directory} has no {weights.name} yet (training has not reached its first evaluation)")
+    load_weights(model, load_safetensors(weights), weights)
+
+
+def read_metrics(directory: Path, up_to_step: int | None = None) -> list[dict[str, Any]]:
+    """metrics.jsonl rows logged at or before a step (a killed run may have logged past its checkpoint)."""
+    path = Path(directory) / METRICS_FILE
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if up_to_step is None or r["step"] <= up_to_step]
+
+
+def write_metrics(directory: Path, metrics: list[dict[str, Any]]) -> None:
+    """Rewrite metrics.jsonl atomically (it is small: one line per evaluation)."""
+    atomic_write_bytes(Path(directory) / METRICS_FILE, "".join(json.dumps(m) + "\n" for m in metrics).encode())

@@ -1,0 +1,75 @@
+"""A trained run loaded back: its model, tokenizer and settings, and what `qkv eval` reports for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from qkv.errors import QkvError
+from qkv.io.run_dir import load_run_weights, read_run_config
+from qkv.models import QkvModel, build_model, config_from_dict
+from qkv.tokenizers import Tokenizer, load_tokenizer
+from qkv.tokenizers.base import TOKENIZER_FILE
+from qkv.training import RunConfig
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """`qkv eval`'s options; each task reads the ones it has a use for and refuses the others it is given."""
+
+    batch_size: int = 32
+    beam: int = 4
+    length_penalty: float | None = None
+    coverage_penalty: float | None = None
+
+    def refuse_beam_options(self, task: str) -> None:
+        """A one-line error when beam-search options are given for a task that does not decode with a beam."""
+        if self.length_penalty is not None or self.coverage_penalty is not None:
+            raise QkvError(f"--length-penalty and --coverage-penalty are for translation runs (beam search), "
+                           f"not {task} runs")  # fmt: skip
+
+
+@dataclass
+class LoadedRun:
+    """A trained model with its tokenizer (None for a fixed vocabulary) and its run settings, in eval mode."""
+
+    model: QkvModel
+    tokenizer: Tokenizer | None
+    config: RunConfig
+    directory: Path
+    checkpoint: str  # "best" or "last": which weights were loaded
+
+    config_class: ClassVar[type[RunConfig]] = RunConfig
+
+    @classmethod
+    def load(cls, directory: Path, checkpoint: str = "best", device: str | torch.device = "cpu") -> Any:
+        """Read a run directory of this task: config.json, the chosen weights, the tokenizer."""
+        stored = read_run_config(directory)
+        model = build_model(config_from_dict(stored["model_type"], stored["model"]))
+        load_run_weights(model, directory, checkpoint)
+        tokenizer = load_tokenizer(directory) if (Path(directory) / TOKENIZER_FILE).is_file() else None
+        config = cls.config_class.from_dict(stored["training"])
+        return cls(model.to(device).eval(), tokenizer, config, Path(directory), checkpoint)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights live."""
+        return next(self.model.parameters()).device
+
+    @property
+    def task(self) -> str:
+        """The task the run was trained on."""
+        return self.config.task
+
+    def evaluate(self, options: EvalOptions) -> list[str]:
+        """`qkv eval`: the task's measures on its held-out split, one line each."""
+        raise QkvError(f"`qkv eval` has nothing to measure for a {self.task} run")
+
+    def require_tokenizer(self) -> Tokenizer:
+        """The run's tokenizer, or a one-line error for a run that has none."""
+        if self.tokenizer is None:
+            raise QkvError(f"{self.directory} has no tokenizer ({self.task} runs use a fixed vocabulary)")
+        return self.tokenizer

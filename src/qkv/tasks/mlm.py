@@ -1,0 +1,303 @@
+"""The masked-language-model task (`qkv train mlm`): BERT's pretraining of the encoder-only EncoderModel.
+
+An encoder sees the whole sequence at once (no causal mask), so it cannot be trained to predict the
+next token: it would simply read it. BERT hides some tokens instead and trains the encoder to restore
+them from both sides. Per window of block_size tokens, as in BERT's create_pretraining_data.py:
+- 15 % of the positions are selected (round(0.15 · T), at least one);
+- of those, 80 % are replaced by <mask>, 10 % by a random token and 10 % left as they are, so the
+  model cannot learn that only <mask> positions matter (there is no <mask> when it is used later);
+- the loss is the cross-entropy of the selected positions only, and so is the masked-token accuracy.
+The evaluation masks the validation windows with a fixed seed, so every evaluation sees the same task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from qkv.config import EncoderConfig
+from qkv.data.batches import eval_windows, random_starts, windows_at
+from qkv.data.text import TextData, prepare_text_data
+from qkv.errors import QkvError
+from qkv.models import EncoderModel
+from qkv.tasks.base import EvalOptions, LoadedRun
+from qkv.tokenizers import ENDOFTEXT, Tokenizer, load_tokenizer
+from qkv.training import Evaluation, RunConfig, Task, TrainResult, option
+
+MASK = "<mask>"
+SPECIAL_TOKENS = (ENDOFTEXT, MASK)  # ids 0 and 1; random replacements are drawn from the other ids
+IGNORE = -100  # the label of a position that is not predicted (F.cross_entropy's default ignore_index)
+# The language model's modern block, as an encoder with BERT's masked-LM head.
+DEFAULT_MODEL: dict[str, Any] = {
+    "n_layers": 4,
+    "d_model": 128,
+    "n_heads": 4,
+    "positions": "rotary",
+    "norm": "rms",
+    "norm_placement": "pre",
+    "activation": "swiglu",
+    "bias": False,
+    "dropout": 0.0,
+    "type_vocab_size": 0,
+    "embedding_norm": False,
+    "pooler": False,
+    "mlm_head": True,
+}
+
+
+@dataclass(kw_only=True)
+class MLMConfig(RunConfig):
+    """How to pretrain a masked language model: the shared settings plus its data, vocabulary and masking."""
+
+    task: ClassVar[str] = "mlm"
+    model_config: ClassVar[type[EncoderConfig]] = EncoderConfig
+    default_model: ClassVar[dict[str, Any]] = DEFAULT_MODEL
+
+    model: dict[str, Any] = option(factory=dict, help="EncoderConfig fields over the recipe's", fixed=True)
+    data: str | None = option(None, "a UTF-8 text file (default: the embedded Shakespeare corpus)", fixed=True)
+    vocab_size: int = option(1024, "the byte-level BPE vocabulary's size", fixed=True)
+    block_size: int = option(128, "tokens per window", fixed=True)
+    batch_size: int = option(16, "windows per micro-batch and process", fixed=True)
+    mask_prob: float = option(0.15, "share of positions selected for prediction (BERT's 15 %)", fixed=True)
+    max_steps: int = option(1500, "optimiser steps (the schedule's length)")
+    eval_interval: int = option(500, "steps between evaluations and checkpoints")
+
+    def __post_init__(self) -> None:
+        """The shared checks, then the masked language model's own."""
+        super().__post_init__()
+        if not isinstance(self.block_size, int) or self.block_size < 2:
+            raise QkvError(f"block-size must be an integer ≥ 2, got {self.block_size!r}")
+        if not 0 < self.mask_prob < 1:
+            raise QkvError(f"mask-prob must be in (0, 1), got {self.mask_prob}")
+        if "vocab_size" in self.model:
+            raise QkvError("the model's vocab_size comes from the tokenizer; use --vocab-size instead")
+        if self.data is not None:
+            self.data = str(Path(self.data).expanduser().resolve())
+
+    def n_selected(self, length: int) -> int:
+        """How many positions of a window of `length` tokens are predicted (BERT: round(p · T), at least 1)."""
+        return max(1, round(self.mask_prob * length))
+
+
+def mask_tokens(
+    ids: Tensor, order: Tensor, choice: Tensor, random_ids: Tensor, n_selected: int, mask_id: int
+) -> tuple[Tensor, Tensor]:
+    """BERT's masking of windows ids (B, T) → (inputs, labels), from uniform draws made beforehand.
+
+    order (B, T): the n_selected positions with the smallest values are predicted; choice (B, T) in
+    [0, 1): < 0.8 → <mask>, < 0.9 → random_ids, else unchanged; labels hold the original id at the
+    predicted positions and IGNORE elsewhere.
+    """
+    selected = torch.zeros_like(ids, dtype=torch.bool).scatter_(1, order.argsort(dim=1)[:, :n_selected], True)
+    labels = ids.masked_fill(~selected, IGNORE)
+    inputs = torch.where(selected & (choice < 0.8), mask_id, ids)
+    inputs = torch.where(selected & (choice >= 0.8) & (choice < 0.9), random_ids, inputs)
+    return inputs, labels
+
+
+@dataclass
+class MaskedDraw:
+    """A step's windows and every random number their masking needs (sliceable into micro-batches)."""
+
+    starts: Tensor  # (N,)
+    order: Tensor  # (N, T) uniform
+    choice: Tensor  # (N, T) uniform
+    random_ids: Tensor  # (N, T) ids the random replacements take
+
+    def __len__(self) -> int:
+        """Windows."""
+        return len(self.starts)
+
+    def __getitem__(self, rows: slice) -> MaskedDraw:
+        """Some of the windows, with their draws."""
+        return MaskedDraw(self.starts[rows], self.order[rows], self.choice[rows], self.random_ids[rows])
+
+
+@dataclass
+class MaskedBatch:
+    """Masked inputs (B, T) and labels (B, T): IGNORE except where a token is to be restored."""
+
+    inputs: Tensor
+    labels: Tensor
+    n_targets: int
+
+    @property
+    def n_tokens(self) -> int:
+        """B · T."""
+        return self.inputs.numel()
+
+
+class MLMTask(Task):
+    """Masked-token prediction with an EncoderModel and BERT's masking; the best validation loss keeps it."""
+
+    name = "mlm"
+
+    def __init__(self, cfg: MLMConfig) -> None:
+        super().__init__(cfg)
+        self.cfg: MLMConfig = cfg
+        self.data: TextData | None = None
+        self.mask_id = 1
+
+    @classmethod
+    def run_name(cls, cfg: RunConfig) -> str:
+        """<data file name, or shakespeare>-mlm."""
+        assert isinstance(cfg, MLMConfig)
+        return f"{'shakespeare' if cfg.data is None else Path(cfg.data).stem}-mlm"
+
+    def setup(self, run_dir: Path, resume: bool) -> None:
+        """A BPE vocabulary with <mask> (trained on the train split, or the run's), the token ids of both splits."""
+        stored = load_tokenizer(run_dir) if resume else None
+        self.data = prepare_text_data(self.cfg.data, "bpe", self.cfg.vocab_size, stored, SPECIAL_TOKENS)
+        self.tokenizer = self.data.tokenizer
+        self.mask_id = mask_id_of(self.tokenizer)
+        if self.cfg.block_size + 1 > len(self.data.train_ids):
+            raise QkvError(f"block size {self.cfg.block_size} is larger than the training data "
+                           f"({len(self.data.train_ids)} tokens); use a smaller --block-size or more text")  # fmt: skip
+
+    def build_model(self) -> EncoderModel:
+        """An EncoderModel with the masked-LM head over the tokenizer's vocabulary."""
+        assert self.tokenizer is not None
+        return EncoderModel(self.cfg.build_model_config(vocab_size=self.tokenizer.vocab_size,
+                                                        max_positions=self.cfg.block_size))  # fmt: skip
+
+    def describe(self) -> str:
+        """Token counts, the vocabulary, and the accuracy of always guessing the commonest token."""
+        assert self.data is not None
+        d = self.data
+        return (f"{len(d.train_ids):,} train / {len(d.val_ids):,} val tokens, vocab {d.tokenizer.vocab_size}, "
+                f"{self.cfg.n_selected(self.cfg.block_size)} predicted per window")  # fmt: skip
+
+    def draw(self, generator: torch.Generator, budget: int, parts: int) -> MaskedDraw:
+        """`budget` random windows and the uniform draws that mask them."""
+        assert self.data is not None and self.tokenizer is not None
+        t = self.cfg.block_size
+        starts = random_starts(len(self.data.train_ids), t, budget, generator)
+        order, choice = torch.rand(budget, t, generator=generator), torch.rand(budget, t, generator=generator)
+        random_ids = torch.randint(len(SPECIAL_TOKENS), self.tokenizer.vocab_size, (budget, t), generator=generator)
+        return MaskedDraw(starts, order, choice, random_ids)
+
+    def collate(self, examples: Sequence[Any], device: torch.device) -> MaskedBatch:
+        """The windows, masked."""
+        assert self.data is not None and isinstance(examples, MaskedDraw)
+        ids, _ = windows_at(self.data.train_ids, examples.starts, self.cfg.block_size)
+        n = self.cfg.n_selected(self.cfg.block_size)
+        inputs, labels = mask_tokens(ids, examples.order, examples.choice, examples.random_ids, n, self.mask_id)
+        return MaskedBatch(inputs.to(device), labels.to(device), n * len(ids))
+
+    def loss(self, model: Callable[..., Any], batch: MaskedBatch) -> Tensor:
+        """Cross-entropy of the selected positions."""
+        logits = model(batch.inputs).logits  # (B, T, V)
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE)
+
+    def evaluate(self, ev: Evaluation) -> dict[str, float]:
+        """Loss and masked-token accuracy on the validation windows, masked with a fixed seed."""
+        assert self.data is not None
+        with ev.autocast():
+            loss, accuracy, _ = masked_scores(ev.forward, self.validation_batches(ev.ctx.device))
+        return {"val_loss": loss, "val_accuracy": accuracy}
+
+    def validation_batches(self, device: torch.device) -> list[MaskedBatch]:
+        """The validation split in consecutive windows, each masked by BERT's rule from a fixed seed."""
+        assert self.data is not None
+        return masked_windows(self.data.val_ids, self.cfg, self.data.tokenizer, self.cfg.batch_size, device)
+
+    def baseline(self) -> float:
+        """The accuracy of always predicting the training split's commonest token, on the validation targets."""
+        assert self.data is not None
+        return baseline_accuracy(self.data.train_ids, self.validation_batches(torch.device("cpu")))
+
+    def summary(self, result: TrainResult) -> str:
+        """Accuracy against the commonest-token baseline, a few restored tokens, and what to try next."""
+        accuracy, base = result.final["val_accuracy"], self.baseline()
+        lines = [f"\nmasked-token accuracy {accuracy:.1%} (always guessing the commonest token: {base:.1%}, "
+                 f"{accuracy / base:.1f}×), val loss {result.val_loss:.4f} after {result.step} steps, "
+                 f"{result.elapsed_s:.0f} s — run saved in {result.run_dir}"]  # fmt: skip
+        run = MLMRun.load(result.run_dir)
+        for text in ("ROMEO: But, soft! what light through yonder <mask> breaks?", "KING <mask>:\nMy lord, the <mask>"):
+            lines.append(f"{text!r} → {run.fill_mask(text)}")
+        lines.append(f"more: qkv eval {result.run_dir}   |   qkv lab attention-map {result.run_dir} --text 'ROMEO:'")
+        return "\n".join(lines)
+
+
+def mask_id_of(tokenizer: Tokenizer) -> int:
+    """The id of <mask>, or a one-line error for a tokenizer without one."""
+    ids = [tokenizer.encode(MASK)] if tokenizer.kind == "bpe" else []
+    if not ids or len(ids[0]) != 1:
+        raise QkvError(f"a masked-language-model run needs a BPE tokenizer with the special token {MASK}")
+    return ids[0][0]
+
+
+def masked_windows(
+    ids: Tensor, cfg: MLMConfig, tokenizer: Tokenizer, batch_size: int, device: torch.device
+) -> list[MaskedBatch]:
+    """Consecutive windows of ids, masked by BERT's rule with draws from a generator seeded by cfg.seed."""
+    mask_id = mask_id_of(tokenizer)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    batches = []
+    for window, _ in eval_windows(ids, cfg.block_size, batch_size):
+        shape = window.shape
+        order, choice = torch.rand(shape, generator=generator), torch.rand(shape, generator=generator)
+        random_ids = torch.randint(len(SPECIAL_TOKENS), tokenizer.vocab_size, shape, generator=generator)
+        n = cfg.n_selected(shape[1])
+        inputs, labels = mask_tokens(window, order, choice, random_ids, n, mask_id)
+        batches.append(MaskedBatch(inputs.to(device), labels.to(device), n * shape[0]))
+    return batches
+
+
+@torch.no_grad()
+def masked_scores(model: Callable[..., Any], batches: list[MaskedBatch]) -> tuple[float, float, int]:
+    """Mean loss, accuracy and count over the predicted positions of the batches."""
+    total, correct, count = 0.0, 0, 0
+    for batch in batches:
+        logits = model(batch.inputs).logits.float()
+        targets = batch.labels != IGNORE
+        total += float(F.cross_entropy(logits[targets], batch.labels[targets], reduction="sum"))
+        correct += int((logits[targets].argmax(-1) == batch.labels[targets]).sum())
+        count += int(targets.sum())
+    return total / count, correct / count, count
+
+
+def baseline_accuracy(train_ids: Tensor, batches: list[MaskedBatch]) -> float:
+    """How often the training split's commonest token is the answer at the batches' predicted positions."""
+    commonest = int(torch.bincount(train_ids).argmax())
+    labels = torch.cat([b.labels[b.labels != IGNORE].cpu() for b in batches])
+    return float((labels == commonest).float().mean())
+
+
+@dataclass
+class MLMRun(LoadedRun):
+    """A trained masked language model: restore masked tokens, or measure accuracy on the validation split."""
+
+    model: EncoderModel
+    config: MLMConfig
+    config_class: ClassVar[type[RunConfig]] = MLMConfig
+
+    @torch.no_grad()
+    def fill_mask(self, text: str, top_k: int = 3) -> list[list[str]]:
+        """For each <mask> in the text, the top_k tokens the model would put there."""
+        tokenizer = self.require_tokenizer()
+        ids = tokenizer.encode_tensor(text)[None, : self.config.block_size].to(self.device)
+        logits = self.model(ids).logits
+        assert logits is not None
+        where = (ids[0] == mask_id_of(tokenizer)).nonzero().flatten()
+        return [[tokenizer.decode([int(i)]) for i in logits[0, p].topk(top_k).indices] for p in where]
+
+    def evaluate(self, options: EvalOptions) -> list[str]:
+        """Masked-token accuracy and loss on the validation split, against the commonest-token baseline."""
+        options.refuse_beam_options(self.task)
+        tokenizer = self.require_tokenizer()
+        cfg = self.config
+        data = prepare_text_data(cfg.data, "bpe", cfg.vocab_size, tokenizer)
+        batches = masked_windows(data.val_ids, cfg, tokenizer, options.batch_size, self.device)
+        loss, accuracy, count = masked_scores(self.model, batches)
+        base = baseline_accuracy(data.train_ids, batches)
+        return [
+            f"masked-token accuracy {accuracy:.4f}  loss {loss:.4f}  ({count:,} predicted positions, "
+            f"{self.checkpoint} weights); always the commonest token: {base:.4f} ({accuracy / base:.1f}×)"
+        ]

@@ -1,0 +1,224 @@
+"""The translation task (`qkv train translate`): the encoder–decoder Transformer of the paper, German → English.
+
+Data: the Ding dictionary's example sentences (embedded), or a TSV file of source<TAB>target pairs;
+one byte-level BPE vocabulary for both sides, trained on the training split. Batches are buckets of
+pairs of similar length holding about batch_size tokens per side; the loss is label-smoothed
+cross-entropy per target token (padding excluded); the evaluation is the validation loss and the
+greedy BLEU of the validation pairs, and the best BLEU keeps model.safetensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from qkv.config import TransformerConfig
+from qkv.errors import QkvError
+from qkv.extras import require
+from qkv.models import Transformer
+from qkv.tasks.base import EvalOptions, LoadedRun
+from qkv.tokenizers import load_tokenizer
+from qkv.training import Evaluation, RunConfig, Task, TrainResult, option
+from qkv.translation.batching import Seq2SeqBatch, Specials, batches_of, encode_pairs, length_buckets, make_batch
+from qkv.translation.corpus import Splits, split_de_en, split_pairs_file
+from qkv.translation.decoding import greedy_decode
+from qkv.translation.metrics import corpus_bleu, corpus_chrf
+from qkv.translation.run import Translator, specials_of, train_tokenizer
+from qkv.translation.step import batch_loss, evaluate_batches
+
+# Sized for a 2-core CPU and a ≈ 12-minute budget: 2 + 2 layers × 128 wide, 1.44 M parameters with the shared
+# 4,000-token vocabulary (the README's translation section has the measurements behind each choice).
+DEFAULT_MODEL: dict[str, Any] = {
+    "d_model": 128,
+    "n_heads": 4,
+    "d_ff": 512,
+    "n_encoder_layers": 2,
+    "n_decoder_layers": 2,
+    "dropout": 0.1,  # without it the cosine run overfits; the paper's 0.1 keeps the loss falling to the end
+    "attention_dropout": 0.0,  # as in the paper; it also lets the fused attention kernel train on a CPU
+    "norm_placement": "pre",  # stable at a higher learning rate than the paper's post-norm in short runs
+}
+
+
+@dataclass(kw_only=True)
+class TranslateConfig(RunConfig):
+    """How to train a translation model: the shared settings (with the translation recipe's defaults) and its own."""
+
+    task: ClassVar[str] = "translate"
+    model_config: ClassVar[type[TransformerConfig]] = TransformerConfig
+    default_model: ClassVar[dict[str, Any]] = DEFAULT_MODEL
+
+    model: dict[str, Any] = option(factory=dict, help="TransformerConfig fields over the recipe's", fixed=True)
+    data: str | None = option(None, "a UTF-8 file of source<TAB>target pairs (default: the Ding sentences)",
+                              fixed=True)  # fmt: skip
+    vocab_size: int = option(4000, "the shared byte-level BPE vocabulary's size", fixed=True)
+    batch_size: int = option(1500, "padded tokens per side, per micro-batch and process", fixed=True)
+    max_steps: int = option(4400, "optimiser steps (the schedule's length)")
+    max_time: float | None = option(840.0, "stop after this many seconds, evaluations included (checkpoint saved)")
+    min_lr: float | None = option(0.0, "final learning rate")
+    warmup_steps: int = option(200, "linear warmup steps")
+    beta2: float = option(0.98, "AdamW β₂ (the paper's)")
+    label_smoothing: float = option(0.1, "label smoothing ε (the paper's)")
+    eval_interval: int = option(1100, "steps between evaluations (each decodes the validation pairs)")
+    beam_size: int = option(4, "beam size of `qkv translate` and `qkv eval` (1 = greedy)")
+    length_penalty: float = option(0.6, "beam search: GNMT's length penalty α")
+    coverage_penalty: float = option(0.2, "beam search: GNMT's coverage penalty β (unattended source tokens)")
+
+    def __post_init__(self) -> None:
+        """The shared checks, then the translation task's own."""
+        super().__post_init__()
+        for name in ("vocab_size", "beam_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise QkvError(f"{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")
+        if not 0 <= self.label_smoothing < 1:
+            raise QkvError(f"label smoothing must be in [0, 1), got {self.label_smoothing}")
+        if self.length_penalty < 0 or self.coverage_penalty < 0:
+            raise QkvError(f"length and coverage penalties must be ≥ 0, got {self.length_penalty} and "
+                           f"{self.coverage_penalty}")  # fmt: skip
+        reserved = sorted({"src_vocab_size", "tgt_vocab_size", "pad_id", "share_embeddings"} & set(self.model))
+        if reserved:
+            raise QkvError(f"{', '.join(reserved)}: set by the task (one shared vocabulary); use --vocab-size")
+        if self.data is not None:
+            self.data = str(Path(self.data).expanduser().resolve())
+
+    def splits(self) -> Splits:
+        """The run's train / validation / test pairs."""
+        return split_de_en() if self.data is None else split_pairs_file(self.data)
+
+
+def validation_bleu(model: Transformer, batches: list[Seq2SeqBatch], translator: Translator) -> float:
+    """Greedy BLEU over the validation batches (references decoded from the same tokens)."""
+    hyps, refs = [], []
+    sp, tokenizer = translator.specials, translator.tokenizer
+    for batch in batches:
+        hyps += [tokenizer.decode(ids).strip() for ids in greedy_decode(model, batch.src, sp)]
+        refs += [tokenizer.decode([t for t in row if t not in (sp.pad, sp.eos)]).strip()
+                 for row in batch.tgt_out.tolist()]  # fmt: skip
+    return corpus_bleu(hyps, refs)
+
+
+class TranslateTask(Task):
+    """Teacher-forced translation with label smoothing; the best validation BLEU keeps the weights."""
+
+    name = "translate"
+    best_metric = "val_bleu"
+    higher_is_better = True
+    dynamic_shapes = True
+
+    def __init__(self, cfg: TranslateConfig) -> None:
+        super().__init__(cfg)
+        self.cfg: TranslateConfig = cfg
+        self.pairs: list[tuple[list[int], list[int]]] = []
+        self.val_batches: list[Seq2SeqBatch] = []
+        self.specials = Specials()
+        self._buckets: dict[tuple[int, int], list[list[int]]] = {}
+
+    @classmethod
+    def run_name(cls, cfg: RunConfig) -> str:
+        """de-en for the Ding sentences, else the pairs file's name."""
+        assert isinstance(cfg, TranslateConfig)
+        return "de-en" if cfg.data is None else Path(cfg.data).stem
+
+    def setup(self, run_dir: Path, resume: bool) -> None:
+        """Split the pairs, train the shared BPE on the training split (or load the run's), tokenize both splits."""
+        require("sacrebleu", "translate", "validation BLEU")  # fail now, not at the first evaluation
+        splits = self.cfg.splits()
+        if resume:
+            self.tokenizer = load_tokenizer(run_dir)
+        else:  # the vocabulary sees the training split only, both languages
+            self.tokenizer = train_tokenizer([s for pair in splits.train for s in pair], self.cfg.vocab_size)
+        self.specials = specials_of(self.tokenizer)
+        max_len = self.cfg.build_model_config(**self._vocabulary()).max_positions
+        self.pairs = encode_pairs(self.tokenizer, splits.train, max_len)
+        self.val_batches = batches_of(encode_pairs(self.tokenizer, splits.val, max_len), self.cfg.batch_size,
+                                      self.specials)  # fmt: skip
+        longest = max(max(len(s), len(t)) + 1 for s, t in self.pairs)
+        if self.cfg.batch_size < longest:
+            raise QkvError(f"--batch-size {self.cfg.batch_size} tokens is less than the longest training pair "
+                           f"({longest} tokens); raise it")  # fmt: skip
+
+    def _vocabulary(self) -> dict[str, Any]:
+        """The model-config fields the tokenizer decides."""
+        assert self.tokenizer is not None
+        size = self.tokenizer.vocab_size
+        return {"src_vocab_size": size, "tgt_vocab_size": size, "share_embeddings": True, "pad_id": self.specials.pad}
+
+    def build_model(self) -> Transformer:
+        """An encoder–decoder over the shared vocabulary, its embeddings shared and tied to the output layer."""
+        return Transformer(self.cfg.build_model_config(**self._vocabulary()))
+
+    def describe(self) -> str:
+        """Pair counts and the vocabulary."""
+        assert self.tokenizer is not None
+        n_val = sum(b.src.shape[0] for b in self.val_batches)
+        return f"{len(self.pairs):,} train / {n_val:,} val pairs, vocab {self.tokenizer.vocab_size}"
+
+    def draw(self, generator: torch.Generator, budget: int, parts: int) -> list[int]:
+        """One random bucket: pairs of similar length, about `budget` tokens per side."""
+        if (budget, parts) not in self._buckets:
+            self._buckets[budget, parts] = length_buckets(self.pairs, budget, min_rows=parts)
+        buckets = self._buckets[budget, parts]
+        return buckets[int(torch.randint(len(buckets), (1,), generator=generator))]
+
+    def collate(self, examples: Sequence[Any], device: torch.device) -> Seq2SeqBatch:
+        """Padded source, <s> + target and target + </s>."""
+        pairs = [self.pairs[i] for i in examples]
+        return make_batch([s for s, _ in pairs], [t for _, t in pairs], self.specials).to(device)
+
+    def loss(self, model: Callable[..., Any], batch: Seq2SeqBatch) -> Tensor:
+        """Label-smoothed cross-entropy per target token."""
+        return batch_loss(model, batch, self.cfg.label_smoothing)
+
+    def translator(self, model: Transformer) -> Translator:
+        """Text in, text out, with the run's beam settings."""
+        assert self.tokenizer is not None
+        return Translator(model, self.tokenizer, self.specials, self.cfg.length_penalty, self.cfg.coverage_penalty)
+
+    def evaluate(self, ev: Evaluation) -> dict[str, float]:
+        """Validation loss and greedy validation BLEU."""
+        assert isinstance(ev.model, Transformer)
+        with ev.autocast():
+            loss = evaluate_batches(ev.forward, self.val_batches)
+        return {"val_loss": loss, "val_bleu": validation_bleu(ev.model, self.val_batches, self.translator(ev.model))}
+
+    def summary(self, result: TrainResult) -> str:
+        """The final validation loss and BLEU, and what to try next."""
+        final = result.final
+        return (f"\nval loss {final['val_loss']:.4f}, val BLEU {final['val_bleu']:.2f} (best {result.best or 0:.2f}) "
+                f"after {result.step} steps, {result.elapsed_s:.0f} s — run saved in {result.run_dir}\n"
+                f"more: qkv translate {result.run_dir} 'Wie geht es dir?'   |   qkv eval {result.run_dir}")  # fmt: skip
+
+
+@dataclass
+class TranslationRun(LoadedRun):
+    """A trained translation model: translate sentences, or measure BLEU on the test split."""
+
+    model: Transformer
+    config: TranslateConfig
+    config_class: ClassVar[type[RunConfig]] = TranslateConfig
+
+    def translator(self, length_penalty: float | None = None, coverage_penalty: float | None = None) -> Translator:
+        """A translator with the run's beam settings, or the penalties given."""
+        tokenizer = self.require_tokenizer()
+        alpha = self.config.length_penalty if length_penalty is None else length_penalty
+        beta = self.config.coverage_penalty if coverage_penalty is None else coverage_penalty
+        return Translator(self.model, tokenizer, specials_of(tokenizer), alpha, beta)
+
+    def evaluate(self, options: EvalOptions) -> list[str]:
+        """Test-split BLEU and chrF (sacrebleu, detokenised), greedy and beam."""
+        translator = self.translator(options.length_penalty, options.coverage_penalty)
+        test = self.config.splits().test
+        sources, references = [src for src, _ in test], [tgt for _, tgt in test]
+        lines = []
+        for beam in sorted({1, options.beam}):
+            hyps = translator.translate(sources, beam, options.batch_size)
+            name = "greedy" if beam == 1 else f"beam {beam}"
+            lines.append(f"test {name:>7}: BLEU {corpus_bleu(hyps, references):5.2f}  "
+                         f"chrF {corpus_chrf(hyps, references):5.2f}  ({len(test)} sentences, {self.checkpoint} "
+                         "weights)")  # fmt: skip
+        return lines

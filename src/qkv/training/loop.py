@@ -1,0 +1,346 @@
+"""The training loop: one loop for every task (qkv.tasks), on one process or many.
+
+A task says what differs (its data, model, batches, loss, evaluation, best checkpoint and final
+report: qkv.training.task). This loop owns everything else:
+- the optimiser (AdamW, decay on matrices only) and the learning-rate schedule;
+- gradient accumulation, with the loss normalised by the target positions of the whole step, over
+  every micro-batch and every process, so that 2 micro-batches of B train exactly like one batch of 2B;
+- the autocast dtype, torch.compile, and DDP/FSDP under torchrun (qkv.training.distributed);
+- the time budget and Ctrl-C (finish the step, save, stop);
+- evaluation and checkpoints every eval_interval steps, and exact, SIGKILL-safe resume;
+- metrics.jsonl, loss.png, the progress bar, and hooks that benchmarks time steps with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from qkv.errors import QkvError
+from qkv.io.devices import autocast_context, cpu_threads, resolve_device
+from qkv.io.files import atomic_save_safetensors
+from qkv.io.run_dir import (
+    BEST_FILE,
+    LAST_FILE,
+    PLOT_FILE,
+    STATE_FILE,
+    check_weights,
+    migrate_state,
+    read_metrics,
+    read_run_config,
+    write_metrics,
+    write_run_config,
+)
+from qkv.models import model_type_of
+from qkv.training import distributed
+from qkv.training.checkpoint import load_training_state, save_training_state
+from qkv.training.config import RunConfig
+from qkv.training.optim import apply_settings, make_optimizer
+from qkv.training.plots import plot_losses
+from qkv.training.progress import Progress
+from qkv.training.schedule import LRSchedule
+from qkv.training.signals import deferred_interrupt
+from qkv.training.task import Batch, Evaluation, Task, TrainResult
+
+
+@dataclass
+class StepInfo:
+    """One optimiser step, as the on_step hook sees it."""
+
+    step: int
+    seconds: float  # wall-clock of the step: drawing batches, forward, backward, optimiser
+    tokens: int  # tokens the step read, all processes together
+
+
+@dataclass
+class Hooks:
+    """Callbacks into the loop: benchmarks time steps with them instead of step loops of their own."""
+
+    on_model: Callable[[nn.Module], None] | None = None  # the model before training (e.g. to swap modules)
+    on_step: Callable[[StepInfo], None] | None = None  # after every optimiser step
+    evaluate: bool = True  # False: no evaluation, no checkpoint, no files: a pure timing run
+
+
+@dataclass
+class _Progress:
+    """The counters a checkpoint stores and a resumed run continues from."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    elapsed_before: float = 0.0  # wall-clock seconds of earlier sessions of this run
+    overhead_s: float = 0.0  # seconds spent evaluating and checkpointing, all sessions
+    best: float | None = None
+    global_batch: int = 0  # batch_size × processes of the run's first session, kept on resume
+
+
+def default_run_dir(task: type[Task], cfg: RunConfig) -> Path:
+    """runs/<the task's run name>-<date>-<time>."""
+    return Path("runs") / f"{task.run_name(cfg)}-{datetime.now():%Y%m%d-%H%M%S}"
+
+
+def fit(task: type[Task], cfg: RunConfig, verbose: bool = True, hooks: Hooks | None = None) -> TrainResult:
+    """Train `task` as `cfg` says, on this process (and its peers under torchrun); returns the result."""
+    if cfg.resume:
+        cfg = _resumed(task, cfg)
+    with distributed.process_group(resolve_device(cfg.device), cfg.strategy, cfg.dist_timeout) as ctx:
+        run_dir = Path(cfg.out_dir) if cfg.out_dir else Path(distributed.agree(str(default_run_dir(task, cfg)), ctx))
+        if run_dir.exists() and not run_dir.is_dir():
+            raise QkvError(f"--out-dir {run_dir} is a file; give a directory (a new one, or a run to --resume)")
+        if not cfg.resume and ((run_dir / STATE_FILE).exists() or (run_dir / BEST_FILE).exists()):
+            raise QkvError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --out-dir")
+        with cpu_threads(cfg.cpu_threads, ctx.device):
+            return _Trainer(task(cfg), cfg, run_dir, ctx, verbose, hooks or Hooks()).run()
+
+
+def _resumed(task: type[Task], cfg: RunConfig) -> RunConfig:
+    """The stored run's config, with the settings given explicitly laid over it."""
+    if not cfg.out_dir:
+        raise QkvError("--resume needs --out-dir: the run directory to continue")
+    stored = read_run_config(Path(cfg.out_dir))
+    if stored["task"] != task.name:
+        raise QkvError(f"{cfg.out_dir} holds a {stored['task']} run; continue it with `qkv train {stored['task']} "
+                       f"--resume --out-dir {cfg.out_dir}`")  # fmt: skip
+    return cfg.resumed_from(stored["training"])
+
+
+def split(examples: Sequence[Any], parts: int) -> list[Sequence[Any]]:
+    """`parts` contiguous slices of near-equal length (the first ones one longer where it does not divide)."""
+    if len(examples) < parts:
+        raise QkvError(f"a step's batch holds {len(examples)} examples, fewer than its {parts} micro-batches × "
+                       "processes; raise --batch-size")  # fmt: skip
+    size, extra = divmod(len(examples), parts)
+    bounds = [i * size + min(i, extra) for i in range(parts + 1)]
+    return [examples[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+class _Trainer:
+    """One training run on this process: the model, its optimiser and the loop's state."""
+
+    def __init__(self, task: Task, cfg: RunConfig, run_dir: Path, ctx: distributed.DistContext, verbose: bool,
+                 hooks: Hooks) -> None:  # fmt: skip
+        self.task, self.cfg, self.run_dir, self.ctx, self.hooks = task, cfg, run_dir, ctx, hooks
+        torch.manual_seed(cfg.seed)  # the same seed on every rank: the same initial weights
+        task.setup(run_dir, cfg.resume)
+        self.model = task.build_model().to(ctx.device)
+        if hooks.on_model is not None:
+            hooks.on_model(self.model)
+        if cfg.compile and ctx.sharded:
+            raise QkvError("--compile works with one process or --strategy ddp, not with fsdp")
+        self.compiled = None
+        if cfg.compile:  # whole graphs only: a graph break raises instead of quietly running parts eagerly
+            self.compiled = cast(nn.Module, torch.compile(self.model, fullgraph=True, dynamic=task.dynamic_shapes))
+        self.step_model = self.compiled if self.compiled is not None else self.model  # what a step calls
+        self.train_model = distributed.wrap_model(self.step_model, ctx)  # DDP around it, or sharded in place
+        self.optimizer = make_optimizer(self.model, cfg)  # after wrapping: FSDP replaces the parameters
+        self.schedule = LRSchedule(cfg.lr, min(cfg.warmup_steps, cfg.max_steps), cfg.max_steps, cfg.final_lr,
+                                   cfg.schedule)  # fmt: skip
+        self.data_gen = torch.Generator().manual_seed(cfg.seed)
+        self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.dtype == "float16")
+        self.state = _Progress(global_batch=cfg.batch_size * ctx.world_size)  # examples per micro-batch, all ranks
+        if hooks.evaluate:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.resume:
+            self._restore()
+        if ctx.is_main and hooks.evaluate:
+            self._write_config()
+        distributed.seed_dropout(cfg.seed, self.state.step, ctx)
+        self.metrics = read_metrics(run_dir, self.state.step)
+        self.progress = Progress(cfg.max_steps, enabled=verbose and ctx.is_main)  # rank 0 speaks for the run
+        self.start = time.monotonic()
+
+    def _write_config(self) -> None:
+        """config.json (and the tokenizer) for a new run; for a resumed run, only if its settings changed."""
+        settings = {**self.cfg.to_dict(), "resume": False}
+        if self.cfg.resume:
+            stored = read_run_config(self.run_dir)
+            settings["out_dir"] = stored["training"].get("out_dir")
+            if {**stored["training"], "resume": False} == settings:
+                return
+        else:
+            self.task.save(self.run_dir)
+        write_run_config(self.run_dir, self.task.name, model_type_of(self.model), self.model.cfg.to_dict(),
+                         settings, self.task.tokenizer_summary())  # fmt: skip
+
+    def _restore(self) -> None:
+        """Load the last checkpoint: weights, optimiser, RNGs, the data generator and the counters."""
+        consolidated = distributed.ConsolidatedOptimizer(self.model, self.optimizer, self.ctx)
+        state, extra = load_training_state(self.run_dir, consolidated, {"data": self.data_gen})
+        check_weights(self.model, state, self.run_dir / LAST_FILE)
+        distributed.load_full_model_state(self.model, state, self.ctx)
+        apply_settings(self.optimizer, self.cfg)  # settings given on resume replace the stored ones
+        extra = migrate_state(extra)
+        self.state = _Progress(extra["step"], extra["tokens_seen"], extra["elapsed_s"],
+                               extra["elapsed_s"] - extra["train_s"], extra["best"],
+                               extra.get("global_batch_size", self.cfg.batch_size))  # fmt: skip
+
+    def elapsed(self) -> float:
+        """Wall-clock seconds of training, across resumes."""
+        return self.state.elapsed_before + time.monotonic() - self.start
+
+    def run(self) -> TrainResult:
+        """Train until max_steps, the time budget or Ctrl-C; evaluate and checkpoint on the way."""
+        n_params = sum(p.numel() for p in self.model.parameters())
+        layout = ""
+        if self.ctx.enabled:
+            layout = f", {self.ctx.world_size} processes ({self.ctx.strategy}), global batch {self.state.global_batch}"
+        data = f"{self.task.describe()}, " if self.task.describe() else ""
+        self.progress.log(f"qkv train {self.task.name}: {n_params / 1e6:.2f} M parameters, {data}device "
+                          f"{self.ctx.device}{layout}, run dir {self.run_dir}")  # fmt: skip
+        self.model.train()
+        first_step, first_tokens = self.state.step, self.state.tokens_seen
+        losses: list[float] = []
+        interrupted = False
+        dynamo = torch._dynamo.config.patch(fail_on_recompile_limit_hit=True) if self.cfg.compile else None
+        with deferred_interrupt() as interrupt_requested, dynamo or contextlib.nullcontext():
+            while self.state.step < self.cfg.max_steps:
+                distributed.crash_for_test(self.state.step, self.ctx)
+                # Checked between steps, so the checkpoint holds whole steps only; all ranks stop at the same one.
+                if distributed.any_rank(interrupt_requested(), self.ctx):
+                    interrupted = True
+                    break
+                losses.append(self._timed_step())
+                out_of_time = self.cfg.max_time is not None and distributed.any_rank(
+                    self.elapsed() >= self.cfg.max_time, self.ctx
+                )
+                self._show_progress(losses[-1], first_step, first_tokens)
+                step = self.state.step
+                if step % self.cfg.eval_interval == 0 or step == self.cfg.max_steps or out_of_time:
+                    self._evaluate_and_checkpoint(sum(losses) / len(losses))
+                    losses = []
+                if out_of_time:
+                    self.progress.log(f"time budget of {self.cfg.max_time:g} s reached at step {step}")
+                    break
+            if interrupted:
+                self._stop_cleanly(losses)
+            self.progress.close()
+            return self._result(interrupted)
+
+    def _timed_step(self) -> float:
+        """One optimiser step, reported to the on_step hook; returns its mean training loss."""
+        began, tokens_before = time.perf_counter(), self.state.tokens_seen
+        loss = self._step()
+        if self.hooks.on_step is not None:
+            seconds = time.perf_counter() - began
+            self.hooks.on_step(StepInfo(self.state.step, seconds, self.state.tokens_seen - tokens_before))
+        return loss
+
+    def _step(self) -> float:
+        """Forward and backward over this rank's micro-batches, then one optimiser update."""
+        cfg, ctx = self.cfg, self.ctx
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.schedule.lr_at(self.state.step)
+        batches = self._micro_batches()
+        local = sum(b.n_targets for b in batches)
+        total, tokens = distributed.sum_over_ranks([local, sum(b.n_tokens for b in batches)], ctx)
+        loss_sum = 0.0
+        for i, batch in enumerate(batches):
+            # Gradients are averaged across ranks once per step, in the last micro-batch's backward.
+            with distributed.gradient_sync(self.train_model, i == len(batches) - 1):
+                with autocast_context(ctx.device, cfg.dtype):
+                    loss = self.task.loss(self.train_model, batch)
+                # Each micro-batch counts by its share of the step's targets, all ranks together (DDP then
+                # averages over ranks): the mean over every target of the step, however the batch was cut.
+                self.scaler.scale(loss * (batch.n_targets * ctx.world_size / total)).backward()
+            loss_sum += float(loss.detach()) * batch.n_targets
+        if cfg.grad_clip > 0:
+            self.scaler.unscale_(self.optimizer)
+            nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.step += 1
+        self.state.tokens_seen += tokens
+        return loss_sum / local
+
+    def _micro_batches(self) -> list[Batch]:
+        """This rank's micro-batches of the step: slices micro × world + rank of one global draw."""
+        world, accum = self.ctx.world_size, self.cfg.grad_accum
+        examples = self.task.draw(self.data_gen, self.state.global_batch * accum, world * accum)
+        pieces = split(examples, world * accum)
+        return [self.task.collate(pieces[m * world + self.ctx.rank], self.ctx.device) for m in range(accum)]
+
+    def _show_progress(self, loss: float, first_step: int, first_tokens: int) -> None:
+        """Redraw the progress bar: loss, tokens/s and the time left."""
+        run_time = time.monotonic() - self.start  # this session only: resumed steps were timed before
+        steps = self.state.step - first_step
+        tokens_per_s = (self.state.tokens_seen - first_tokens) / max(run_time, 1e-9)
+        eta = (self.cfg.max_steps - self.state.step) * run_time / steps
+        self.progress.update(self.state.step, loss, tokens_per_s, eta)
+
+    def _evaluate(self, full: bool) -> dict[str, float]:
+        """The task's evaluation with dropout off, then back to training mode."""
+        self.model.eval()
+        forward = self.train_model if self.ctx.enabled else self.step_model
+        with torch.no_grad():
+            results = self.task.evaluate(Evaluation(self.model, forward, self.ctx, self.cfg.dtype, full))
+        self.model.train()
+        return results
+
+    def _evaluate_and_checkpoint(self, train_loss: float) -> None:
+        """Evaluate, log, keep the best weights, save everything needed to resume; timed apart from training."""
+        if not self.hooks.evaluate:
+            return
+        began, train_s = time.monotonic(), self.elapsed() - self.state.overhead_s
+        results = self._evaluate(full=False)
+        train_loss = distributed.mean_over_ranks(train_loss, self.ctx)
+        model_state, optimizer_state = distributed.full_state(self.model, self.optimizer, self.ctx)  # collective
+        row = {"step": self.state.step, "tokens_seen": self.state.tokens_seen, "elapsed_s": round(self.elapsed(), 3),
+               "train_s": round(train_s, 3), "train_loss": train_loss, **results,
+               "lr": self.schedule.lr_at(max(0, self.state.step - 1))}  # fmt: skip
+        self.metrics.append(row)
+        score, best = results[self.task.best_metric], self.state.best
+        improved = best is None or (score > best if self.task.higher_is_better else score < best)
+        if improved:
+            self.state.best = score
+        if self.ctx.is_main:
+            self._write_checkpoint(model_state, optimizer_state, improved, train_s)
+            shown = "  ".join(f"{'val' if k == 'val_loss' else k.replace('_', ' ')} {v:.4f}"
+                              for k, v in results.items())  # fmt: skip
+            self.progress.log(f"step {self.state.step:>6}  train {train_loss:.4f}  {shown}  lr {row['lr']:.2e}")
+        self.state.overhead_s += time.monotonic() - began
+
+    def _write_checkpoint(self, model_state: dict[str, Any], optimizer_state: dict[str, Any], improved: bool,
+                          train_s: float) -> None:  # fmt: skip
+        """metrics.jsonl, the best weights if they improved, the training state and loss.png (rank 0)."""
+        write_metrics(self.run_dir, self.metrics)
+        if improved:
+            atomic_save_safetensors(self.run_dir / BEST_FILE, model_state)
+        s = self.state
+        extra = {"step": s.step, "tokens_seen": s.tokens_seen, "elapsed_s": self.elapsed(), "train_s": train_s,
+                 "best": s.best, "global_batch_size": s.global_batch}  # fmt: skip
+        save_training_state(self.run_dir, model_state=model_state, optimizer=optimizer_state, extra=extra,
+                            generators={"data": self.data_gen})  # fmt: skip
+        plot_losses(self.metrics, self.run_dir / PLOT_FILE, title=f"qkv train {self.task.name} — {self.run_dir.name}")
+
+    def _stop_cleanly(self, losses: list[float]) -> None:
+        """After Ctrl-C: checkpoint the steps taken since the last one, and say how to continue."""
+        self.progress.close()
+        if losses:
+            self._evaluate_and_checkpoint(sum(losses) / len(losses))
+        if (self.run_dir / STATE_FILE).is_file():
+            hint = f"continue with --resume --out-dir {self.run_dir}"
+            self.progress.log(f"interrupted at step {self.state.step}: checkpoint saved; {hint}")
+        else:
+            step = self.state.step
+            self.progress.log(f"interrupted at step {step}, before the first checkpoint: nothing to --resume")
+
+    def _result(self, interrupted: bool) -> TrainResult:
+        """The final evaluation (over whole splits), and where the run lives."""
+        final: dict[str, float] = {}
+        if self.hooks.evaluate:
+            last = self.metrics[-1] if self.metrics else None
+            if last is None or self.task.partial_evaluation:
+                final = self._evaluate(full=True)
+            else:
+                final = {k: v for k, v in last.items() if k.startswith("val_")}
+        return TrainResult(self.run_dir, self.task.name, self.state.step, final, self.state.best, self.elapsed(),
+                           interrupted, self.metrics, self.task)  # fmt: skip
