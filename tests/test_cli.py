@@ -150,6 +150,8 @@ TRAIN_ERRORS: list[tuple[str, list[str], str]] = [
     ("--resume, no --out-dir", ["--resume"], "--resume needs --out-dir: the run directory to continue"),
     ("run already there", ["--data", "{excerpt}", "--out-dir", "{char_run}"],
      "{char_run} already holds a run; pass --resume to continue it or choose another --out-dir"),
+    ("--out-dir is a file", ["--data", "{excerpt}", "--out-dir", "{plain}"],
+     "--out-dir {plain} is a file; give a directory (a new one, or a run to --resume)"),
 ]  # fmt: skip
 
 

@@ -233,3 +233,14 @@ def test_gradient_accumulation_syncs_once_per_step(group_of_one: None, strategy:
         model.set_requires_gradient_sync = lambda on, **kw: (synced.append(on), real(on, **kw))  # type: ignore
         _accumulate(model, 3)
         assert synced == [False, True, False, True]  # off for micro-batches 1 and 2, back on for the last
+
+
+def test_torchrun_without_out_dir_agrees_on_one_run_directory(tmp_path: Path, corpus: Path) -> None:
+    """torchrun's documented usage: no --out-dir; rank 0 picks the timestamped directory and shares it."""
+    args = [*ARGS[:-2], "--max-steps", "5"]  # ARGS ends with --max-steps STEPS
+    done = _run([*TORCHRUN, "--data", str(corpus), *args, "--batch-size", "4"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    (run,) = (tmp_path / "runs").iterdir()  # one directory for both processes
+    assert run.name.startswith("excerpt-char-")
+    assert [r["step"] for r in _rows(run)] == [5]
+    assert len(re.findall(r"^step +5 ", done.stderr, flags=re.M)) == 1

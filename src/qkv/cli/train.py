@@ -83,7 +83,7 @@ def build_parser(task: str, cls: type[RunConfig]) -> argparse.ArgumentParser:
         if f.name in _SKIPPED:
             continue
         kind = _value_type(hints[f.name])
-        text = f.metadata.get("help", "")
+        text = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
         if f.metadata.get("choices"):
             text += f"; one of {', '.join(f.metadata['choices'])}"
         default = getattr(defaults, f.name)
@@ -91,7 +91,10 @@ def build_parser(task: str, cls: type[RunConfig]) -> argparse.ArgumentParser:
             action: Any = argparse.BooleanOptionalAction if default else "store_true"
             p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, action=action, help=text)
         else:
-            p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, help=f"{text} (default {default})")
+            none = "; none: no limit" if kind is not hints[f.name] else ""
+            p.add_argument(
+                f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, help=f"{text} (default {default}{none})"
+            )
     model_cls = cls.model_config
     p.add_argument("--model", action="append", type=key_value, metavar="KEY=VALUE",
                    help=f"any {model_cls.__name__} field, e.g. --model positions=rotary (repeatable)")  # fmt: skip
@@ -103,10 +106,16 @@ def build_parser(task: str, cls: type[RunConfig]) -> argparse.ArgumentParser:
 
 
 def _value_type(hint: Any) -> Any:
-    """int, float, str or bool for a field's type hint (X | None counts as X)."""
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        hint = next(h for h in typing.get_args(hint) if h is not type(None))
-    return hint
+    """The option's type for a field's type hint: int, float, str or bool; for X | None, X or the word "none"."""
+    if not (isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union):
+        return hint
+    kind = next(h for h in typing.get_args(hint) if h is not type(None))
+
+    def value_or_none(text: str) -> Any:
+        return None if text.lower() == "none" else kind(text)
+
+    value_or_none.__name__ = kind.__name__  # argparse names the type in its errors: "invalid int value"
+    return value_or_none
 
 
 def _settings(args: argparse.Namespace, cls: type[RunConfig]) -> dict[str, Any]:

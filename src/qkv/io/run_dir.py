@@ -34,6 +34,10 @@ CHECKPOINTS = ("best", "last")
 
 # Runs written before config.json named its task: the task follows from the model type.
 _TASK_OF_MODEL_TYPE = {"decoder_lm": "lm", "transformer": "translate"}
+# Task names of runs that named theirs in their own words.
+_RENAMED_TASKS = {"translate de-en": "translate"}
+# Model-config fields an encoder–decoder task decides itself (from its vocabulary).
+_TASK_FIELDS = ("src_vocab_size", "tgt_vocab_size", "share_embeddings", "pad_id")
 # Settings renamed since: (task, old name) → new name.
 _RENAMED = {("lm", "bpe_vocab_size"): "vocab_size", ("translate", "batch_tokens"): "batch_size"}
 
@@ -71,8 +75,11 @@ def migrate_config(config: dict[str, Any]) -> dict[str, Any]:
     """A config.json of any earlier layout in today's: the task named, renamed settings under their new names."""
     config = dict(config)
     model_type = config.setdefault("model_type", "decoder_lm")
-    task = config.setdefault("task", _TASK_OF_MODEL_TYPE.get(model_type, model_type))
+    task = config.get("task", _TASK_OF_MODEL_TYPE.get(model_type, model_type))
     training = dict(config["training"])
+    if task in _RENAMED_TASKS:  # then `model` held only the fields given in Python, not the recipe's: take them all
+        training["model"] = {k: v for k, v in config["model"].items() if k not in _TASK_FIELDS}
+    task = config["task"] = _RENAMED_TASKS.get(task, task)
     for (owner, old), new in _RENAMED.items():
         if owner == task and old in training:
             training[new] = training.pop(old)

@@ -69,9 +69,17 @@ class EncoderModel(nn.Module):
             self.mlm_head.output.weight = self.embed.tokens.weight
 
     def forward(
-        self, ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
+        self,
+        ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        mlm_positions: Tensor | None = None,
     ) -> EncoderOutput:
-        """Encode ids (B, T); attention_mask (B, T) is True (or 1) on real tokens, False on padding."""
+        """Encode ids (B, T); attention_mask (B, T) is True (or 1) on real tokens, False on padding.
+
+        mlm_positions (B, k): with the masked-LM head, logits (B, k, vocab) only at these positions, as BERT
+        gathers them (pretraining predicts ~15 % of the tokens); without, logits (B, T, vocab) everywhere.
+        """
         mask = None
         if attention_mask is not None:
             if attention_mask.shape != ids.shape:
@@ -82,7 +90,14 @@ class EncoderModel(nn.Module):
         x, rope = self.embed(ids, token_type_ids=token_type_ids)
         hidden = self.encoder(x, mask=mask, rope=rope)
         pooled = torch.tanh(self.pooler(hidden[:, 0])) if self.pooler is not None else None
-        logits = self.mlm_head(hidden) if self.mlm_head is not None else None
+        logits = None
+        if self.mlm_head is not None:
+            at = (
+                hidden
+                if mlm_positions is None
+                else hidden.gather(1, mlm_positions[..., None].expand(-1, -1, hidden.shape[-1]))
+            )
+            logits = self.mlm_head(at)  # (B, T or k, vocab)
         return EncoderOutput(hidden, pooled, logits)
 
     def mean_pool(self, ids: Tensor, attention_mask: Tensor) -> Tensor:

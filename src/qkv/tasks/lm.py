@@ -100,8 +100,8 @@ class LMTask(Task):
 
     name = "lm"
 
-    def __init__(self, cfg: LMConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: LMConfig, stored_model: dict[str, Any] | None = None) -> None:
+        super().__init__(cfg, stored_model)
         self.cfg: LMConfig = cfg
         self.data: TextData | None = None
 
@@ -122,14 +122,15 @@ class LMTask(Task):
             raise QkvError(f"block size {cfg.block_size} is larger than the training data "
                            f"({len(self.data.train_ids)} tokens); use a smaller --block-size or more text")  # fmt: skip
 
-    def build_model(self) -> DecoderLM:
+    def new_model_config(self) -> DecoderLMConfig:
         """A DecoderLM over the tokenizer's vocabulary with a context of block_size tokens."""
         assert self.tokenizer is not None
         model_cfg = self.cfg.build_model_config(vocab_size=self.tokenizer.vocab_size, max_positions=self.cfg.block_size)
+        assert isinstance(model_cfg, DecoderLMConfig)
         if model_cfg.max_positions < self.cfg.block_size:
             raise QkvError(f"model max_positions={model_cfg.max_positions} is smaller than the block size "
                            f"{self.cfg.block_size}; drop --model max_positions or lower --block-size")  # fmt: skip
-        return DecoderLM(model_cfg)
+        return model_cfg
 
     def describe(self) -> str:
         """Token counts and the vocabulary."""

@@ -32,7 +32,6 @@ from qkv.training import Evaluation, RunConfig, Task, TrainResult, option
 
 MASK = "<mask>"
 SPECIAL_TOKENS = (ENDOFTEXT, MASK)  # ids 0 and 1; random replacements are drawn from the other ids
-IGNORE = -100  # the label of a position that is not predicted (F.cross_entropy's default ignore_index)
 # The language model's modern block, as an encoder with BERT's masked-LM head.
 DEFAULT_MODEL: dict[str, Any] = {
     "n_layers": 4,
@@ -61,12 +60,13 @@ class MLMConfig(RunConfig):
 
     model: dict[str, Any] = option(factory=dict, help="EncoderConfig fields over the recipe's", fixed=True)
     data: str | None = option(None, "a UTF-8 text file (default: the embedded Shakespeare corpus)", fixed=True)
-    vocab_size: int = option(1024, "the byte-level BPE vocabulary's size", fixed=True)
+    vocab_size: int = option(384, "the byte-level BPE vocabulary's size", fixed=True)
     block_size: int = option(128, "tokens per window", fixed=True)
-    batch_size: int = option(16, "windows per micro-batch and process", fixed=True)
+    batch_size: int = option(32, "windows per micro-batch and process", fixed=True)
     mask_prob: float = option(0.15, "share of positions selected for prediction (BERT's 15 %)", fixed=True)
-    max_steps: int = option(1500, "optimiser steps (the schedule's length)")
-    eval_interval: int = option(500, "steps between evaluations and checkpoints")
+    max_steps: int = option(600, "optimiser steps (the schedule's length)")
+    max_time: float | None = option(270.0, "stop after this many seconds, evaluations included (checkpoint saved)")
+    eval_interval: int = option(300, "steps between evaluations and checkpoints")
 
     def __post_init__(self) -> None:
         """The shared checks, then the masked language model's own."""
@@ -87,18 +87,18 @@ class MLMConfig(RunConfig):
 
 def mask_tokens(
     ids: Tensor, order: Tensor, choice: Tensor, random_ids: Tensor, n_selected: int, mask_id: int
-) -> tuple[Tensor, Tensor]:
-    """BERT's masking of windows ids (B, T) → (inputs, labels), from uniform draws made beforehand.
+) -> tuple[Tensor, Tensor, Tensor]:
+    """BERT's masking of windows ids (B, T) → (inputs (B, T), positions (B, k), labels (B, k)), from uniform draws.
 
-    order (B, T): the n_selected positions with the smallest values are predicted; choice (B, T) in
-    [0, 1): < 0.8 → <mask>, < 0.9 → random_ids, else unchanged; labels hold the original id at the
-    predicted positions and IGNORE elsewhere.
+    order (B, T): the n_selected = k positions with the smallest values are predicted (positions, in order);
+    choice (B, T) in [0, 1): < 0.8 → <mask>, < 0.9 → random_ids, else the token stays; labels are the
+    original ids at the predicted positions.
     """
-    selected = torch.zeros_like(ids, dtype=torch.bool).scatter_(1, order.argsort(dim=1)[:, :n_selected], True)
-    labels = ids.masked_fill(~selected, IGNORE)
+    positions = order.argsort(dim=1)[:, :n_selected].sort(dim=1).values  # (B, k)
+    selected = torch.zeros_like(ids, dtype=torch.bool).scatter_(1, positions, True)
     inputs = torch.where(selected & (choice < 0.8), mask_id, ids)
     inputs = torch.where(selected & (choice >= 0.8) & (choice < 0.9), random_ids, inputs)
-    return inputs, labels
+    return inputs, positions, ids.gather(1, positions)
 
 
 @dataclass
@@ -121,16 +121,25 @@ class MaskedDraw:
 
 @dataclass
 class MaskedBatch:
-    """Masked inputs (B, T) and labels (B, T): IGNORE except where a token is to be restored."""
+    """Masked inputs (B, T), the positions to restore (B, k) and the original tokens there, the labels (B, k)."""
 
     inputs: Tensor
+    positions: Tensor
     labels: Tensor
-    n_targets: int
+
+    @property
+    def n_targets(self) -> int:
+        """B · k."""
+        return self.labels.numel()
 
     @property
     def n_tokens(self) -> int:
         """B · T."""
         return self.inputs.numel()
+
+    def to(self, device: torch.device) -> MaskedBatch:
+        """The same batch on `device`."""
+        return MaskedBatch(self.inputs.to(device), self.positions.to(device), self.labels.to(device))
 
 
 class MLMTask(Task):
@@ -138,8 +147,8 @@ class MLMTask(Task):
 
     name = "mlm"
 
-    def __init__(self, cfg: MLMConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: MLMConfig, stored_model: dict[str, Any] | None = None) -> None:
+        super().__init__(cfg, stored_model)
         self.cfg: MLMConfig = cfg
         self.data: TextData | None = None
         self.mask_id = 1
@@ -160,11 +169,12 @@ class MLMTask(Task):
             raise QkvError(f"block size {self.cfg.block_size} is larger than the training data "
                            f"({len(self.data.train_ids)} tokens); use a smaller --block-size or more text")  # fmt: skip
 
-    def build_model(self) -> EncoderModel:
-        """An EncoderModel with the masked-LM head over the tokenizer's vocabulary."""
+    def new_model_config(self) -> EncoderConfig:
+        """An encoder with the masked-LM head over the tokenizer's vocabulary."""
         assert self.tokenizer is not None
-        return EncoderModel(self.cfg.build_model_config(vocab_size=self.tokenizer.vocab_size,
-                                                        max_positions=self.cfg.block_size))  # fmt: skip
+        model_cfg = self.cfg.build_model_config(vocab_size=self.tokenizer.vocab_size, max_positions=self.cfg.block_size)
+        assert isinstance(model_cfg, EncoderConfig)
+        return model_cfg
 
     def describe(self) -> str:
         """Token counts, the vocabulary, and the accuracy of always guessing the commonest token."""
@@ -187,13 +197,13 @@ class MLMTask(Task):
         assert self.data is not None and isinstance(examples, MaskedDraw)
         ids, _ = windows_at(self.data.train_ids, examples.starts, self.cfg.block_size)
         n = self.cfg.n_selected(self.cfg.block_size)
-        inputs, labels = mask_tokens(ids, examples.order, examples.choice, examples.random_ids, n, self.mask_id)
-        return MaskedBatch(inputs.to(device), labels.to(device), n * len(ids))
+        masked = mask_tokens(ids, examples.order, examples.choice, examples.random_ids, n, self.mask_id)
+        return MaskedBatch(*masked).to(device)
 
     def loss(self, model: Callable[..., Any], batch: MaskedBatch) -> Tensor:
         """Cross-entropy of the selected positions."""
-        logits = model(batch.inputs).logits  # (B, T, V)
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE)
+        logits = model(batch.inputs, mlm_positions=batch.positions).logits  # (B, k, V)
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten())
 
     def evaluate(self, ev: Evaluation) -> dict[str, float]:
         """Loss and masked-token accuracy on the validation windows, masked with a fixed seed."""
@@ -219,7 +229,7 @@ class MLMTask(Task):
                  f"{accuracy / base:.1f}×), val loss {result.val_loss:.4f} after {result.step} steps, "
                  f"{result.elapsed_s:.0f} s — run saved in {result.run_dir}"]  # fmt: skip
         run = MLMRun.load(result.run_dir)
-        for text in ("ROMEO: But, soft! what light through yonder <mask> breaks?", "KING <mask>:\nMy lord, the <mask>"):
+        for text in ("My lord, I <mask> you.", "What is your <mask>?"):
             lines.append(f"{text!r} → {run.fill_mask(text)}")
         lines.append(f"more: qkv eval {result.run_dir}   |   qkv lab attention-map {result.run_dir} --text 'ROMEO:'")
         return "\n".join(lines)
@@ -244,9 +254,8 @@ def masked_windows(
         shape = window.shape
         order, choice = torch.rand(shape, generator=generator), torch.rand(shape, generator=generator)
         random_ids = torch.randint(len(SPECIAL_TOKENS), tokenizer.vocab_size, shape, generator=generator)
-        n = cfg.n_selected(shape[1])
-        inputs, labels = mask_tokens(window, order, choice, random_ids, n, mask_id)
-        batches.append(MaskedBatch(inputs.to(device), labels.to(device), n * shape[0]))
+        masked = mask_tokens(window, order, choice, random_ids, cfg.n_selected(shape[1]), mask_id)
+        batches.append(MaskedBatch(*masked).to(device))
     return batches
 
 
@@ -255,18 +264,17 @@ def masked_scores(model: Callable[..., Any], batches: list[MaskedBatch]) -> tupl
     """Mean loss, accuracy and count over the predicted positions of the batches."""
     total, correct, count = 0.0, 0, 0
     for batch in batches:
-        logits = model(batch.inputs).logits.float()
-        targets = batch.labels != IGNORE
-        total += float(F.cross_entropy(logits[targets], batch.labels[targets], reduction="sum"))
-        correct += int((logits[targets].argmax(-1) == batch.labels[targets]).sum())
-        count += int(targets.sum())
+        logits = model(batch.inputs, mlm_positions=batch.positions).logits.float()  # (B, k, V)
+        total += float(F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), reduction="sum"))
+        correct += int((logits.argmax(-1) == batch.labels).sum())
+        count += batch.n_targets
     return total / count, correct / count, count
 
 
 def baseline_accuracy(train_ids: Tensor, batches: list[MaskedBatch]) -> float:
     """How often the training split's commonest token is the answer at the batches' predicted positions."""
     commonest = int(torch.bincount(train_ids).argmax())
-    labels = torch.cat([b.labels[b.labels != IGNORE].cpu() for b in batches])
+    labels = torch.cat([b.labels.flatten().cpu() for b in batches])
     return float((labels == commonest).float().mean())
 
 
@@ -280,13 +288,18 @@ class MLMRun(LoadedRun):
 
     @torch.no_grad()
     def fill_mask(self, text: str, top_k: int = 3) -> list[list[str]]:
-        """For each <mask> in the text, the top_k tokens the model would put there."""
+        """For each <mask> in the text, the top_k tokens the model would put there.
+
+        A byte-level BPE token carries the space before a word (" lord"), so the space before a <mask>
+        belongs to the masked token: "I <mask> you" asks for the token after "I", space included.
+        """
         tokenizer = self.require_tokenizer()
+        text = text.replace(f" {MASK}", MASK)
         ids = tokenizer.encode_tensor(text)[None, : self.config.block_size].to(self.device)
-        logits = self.model(ids).logits
-        assert logits is not None
         where = (ids[0] == mask_id_of(tokenizer)).nonzero().flatten()
-        return [[tokenizer.decode([int(i)]) for i in logits[0, p].topk(top_k).indices] for p in where]
+        logits = self.model(ids, mlm_positions=where[None]).logits  # (1, masks, V)
+        assert logits is not None
+        return [[tokenizer.decode([int(i)]) for i in row.topk(top_k).indices] for row in logits[0]]
 
     def evaluate(self, options: EvalOptions) -> list[str]:
         """Masked-token accuracy and loss on the validation split, against the commonest-token baseline."""

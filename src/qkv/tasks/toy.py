@@ -90,8 +90,8 @@ class ToyTask(Task):
     best_metric = "val_exact_match"
     higher_is_better = True
 
-    def __init__(self, cfg: CopyConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: CopyConfig, stored_model: dict[str, Any] | None = None) -> None:
+        super().__init__(cfg, stored_model)
         self.cfg: CopyConfig = cfg
         self.test: list[list[int]] = []
 
@@ -104,11 +104,13 @@ class ToyTask(Task):
         cfg = self.cfg
         self.test = random_sequences(cfg.n_test, cfg.length, cfg.n_symbols, torch.Generator().manual_seed(cfg.seed + 1))
 
-    def build_model(self) -> Transformer:
+    def new_model_config(self) -> TransformerConfig:
         """An encoder–decoder over <pad> <s> </s> and the digits."""
         vocab = FIRST_DIGIT + self.cfg.n_symbols
-        return Transformer(self.cfg.build_model_config(src_vocab_size=vocab, tgt_vocab_size=vocab,
-                                                       share_embeddings=True, pad_id=SPECIALS.pad))  # fmt: skip
+        model_cfg = self.cfg.build_model_config(src_vocab_size=vocab, tgt_vocab_size=vocab, share_embeddings=True,
+                                                pad_id=SPECIALS.pad)  # fmt: skip
+        assert isinstance(model_cfg, TransformerConfig)
+        return model_cfg
 
     def describe(self) -> str:
         """The sequences."""

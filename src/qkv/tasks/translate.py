@@ -110,8 +110,8 @@ class TranslateTask(Task):
     higher_is_better = True
     dynamic_shapes = True
 
-    def __init__(self, cfg: TranslateConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: TranslateConfig, stored_model: dict[str, Any] | None = None) -> None:
+        super().__init__(cfg, stored_model)
         self.cfg: TranslateConfig = cfg
         self.pairs: list[tuple[list[int], list[int]]] = []
         self.val_batches: list[Seq2SeqBatch] = []
@@ -133,14 +133,10 @@ class TranslateTask(Task):
         else:  # the vocabulary sees the training split only, both languages
             self.tokenizer = train_tokenizer([s for pair in splits.train for s in pair], self.cfg.vocab_size)
         self.specials = specials_of(self.tokenizer)
-        max_len = self.cfg.build_model_config(**self._vocabulary()).max_positions
+        max_len = self.model_config().max_positions
         self.pairs = encode_pairs(self.tokenizer, splits.train, max_len)
         self.val_batches = batches_of(encode_pairs(self.tokenizer, splits.val, max_len), self.cfg.batch_size,
                                       self.specials)  # fmt: skip
-        longest = max(max(len(s), len(t)) + 1 for s, t in self.pairs)
-        if self.cfg.batch_size < longest:
-            raise QkvError(f"--batch-size {self.cfg.batch_size} tokens is less than the longest training pair "
-                           f"({longest} tokens); raise it")  # fmt: skip
 
     def _vocabulary(self) -> dict[str, Any]:
         """The model-config fields the tokenizer decides."""
@@ -148,9 +144,11 @@ class TranslateTask(Task):
         size = self.tokenizer.vocab_size
         return {"src_vocab_size": size, "tgt_vocab_size": size, "share_embeddings": True, "pad_id": self.specials.pad}
 
-    def build_model(self) -> Transformer:
+    def new_model_config(self) -> TransformerConfig:
         """An encoder–decoder over the shared vocabulary, its embeddings shared and tied to the output layer."""
-        return Transformer(self.cfg.build_model_config(**self._vocabulary()))
+        model_cfg = self.cfg.build_model_config(**self._vocabulary())
+        assert isinstance(model_cfg, TransformerConfig)
+        return model_cfg
 
     def describe(self) -> str:
         """Pair counts and the vocabulary."""
@@ -161,7 +159,12 @@ class TranslateTask(Task):
     def draw(self, generator: torch.Generator, budget: int, parts: int) -> list[int]:
         """One random bucket: pairs of similar length, about `budget` tokens per side."""
         if (budget, parts) not in self._buckets:
-            self._buckets[budget, parts] = length_buckets(self.pairs, budget, min_rows=parts)
+            buckets = length_buckets(self.pairs, budget, min_rows=parts)
+            if min(len(b) for b in buckets) < parts:  # a pair longer than a micro-batch's share fills a bucket
+                longest = max(max(len(s), len(t)) + 1 for s, t in self.pairs)
+                raise QkvError(f"--batch-size {budget // parts} tokens per micro-batch and process is less than the "
+                               f"longest training pair ({longest} tokens); raise it")  # fmt: skip
+            self._buckets[budget, parts] = buckets
         buckets = self._buckets[budget, parts]
         return buckets[int(torch.randint(len(buckets), (1,), generator=generator))]
 

@@ -89,8 +89,9 @@ def default_run_dir(task: type[Task], cfg: RunConfig) -> Path:
 
 def fit(task: type[Task], cfg: RunConfig, verbose: bool = True, hooks: Hooks | None = None) -> TrainResult:
     """Train `task` as `cfg` says, on this process (and its peers under torchrun); returns the result."""
+    stored_model = None
     if cfg.resume:
-        cfg = _resumed(task, cfg)
+        cfg, stored_model = _resumed(task, cfg)
     with distributed.process_group(resolve_device(cfg.device), cfg.strategy, cfg.dist_timeout) as ctx:
         run_dir = Path(cfg.out_dir) if cfg.out_dir else Path(distributed.agree(str(default_run_dir(task, cfg)), ctx))
         if run_dir.exists() and not run_dir.is_dir():
@@ -98,18 +99,18 @@ def fit(task: type[Task], cfg: RunConfig, verbose: bool = True, hooks: Hooks | N
         if not cfg.resume and ((run_dir / STATE_FILE).exists() or (run_dir / BEST_FILE).exists()):
             raise QkvError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --out-dir")
         with cpu_threads(cfg.cpu_threads, ctx.device):
-            return _Trainer(task(cfg), cfg, run_dir, ctx, verbose, hooks or Hooks()).run()
+            return _Trainer(task(cfg, stored_model), cfg, run_dir, ctx, verbose, hooks or Hooks()).run()
 
 
-def _resumed(task: type[Task], cfg: RunConfig) -> RunConfig:
-    """The stored run's config, with the settings given explicitly laid over it."""
+def _resumed(task: type[Task], cfg: RunConfig) -> tuple[RunConfig, dict[str, Any]]:
+    """The stored run's settings with the ones given explicitly laid over them, and its model's config."""
     if not cfg.out_dir:
         raise QkvError("--resume needs --out-dir: the run directory to continue")
     stored = read_run_config(Path(cfg.out_dir))
     if stored["task"] != task.name:
         raise QkvError(f"{cfg.out_dir} holds a {stored['task']} run; continue it with `qkv train {stored['task']} "
                        f"--resume --out-dir {cfg.out_dir}`")  # fmt: skip
-    return cfg.resumed_from(stored["training"])
+    return cfg.resumed_from(stored["training"]), stored["model"]
 
 
 def split(examples: Sequence[Any], parts: int) -> list[Sequence[Any]]:

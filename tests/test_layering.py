@@ -1,0 +1,102 @@
+"""The package's layering: dependencies point down, the core stays free of features, starting `qkv` stays light,
+optional packages stay optional, and there is one training loop.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import qkv
+
+SRC = Path(qkv.__file__).resolve().parent
+ROOT = SRC.parents[1]
+BLOCKED = ("sacrebleu", "transformers", "gguf", "selenium", "hypothesis", "pytest", "mkdocs", "nbmake")
+
+
+def _python(code: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    """Run code in a fresh interpreter (so that only its own imports are loaded)."""
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def test_import_contracts_hold() -> None:
+    """pyproject.toml's import-linter contracts: layers, a core without features, interop over core and I/O only."""
+    done = subprocess.run([str(Path(sys.executable).parent / "lint-imports")], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "4 kept, 0 broken" in done.stdout
+
+
+def test_import_qkv_attention_loads_no_feature_room() -> None:
+    code = "import sys, qkv.attention; print(sorted(m for m in sys.modules if m.startswith('qkv.')))"
+    done = _python(code)
+    assert done.returncode == 0, done.stderr
+    loaded = eval(done.stdout)
+    rooms = ("qkv.training", "qkv.interop", "qkv.translation", "qkv.lab", "qkv.tasks", "qkv.cli", "qkv.data")
+    assert not [m for m in loaded if m.startswith(rooms)], loaded
+    assert "qkv.attention.sdpa" in loaded
+
+
+def test_starting_the_command_imports_no_torch() -> None:
+    """`qkv --help` builds its parser without torch: it answers at once."""
+    code = "import sys; from qkv.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    done = _python(code)
+    assert (done.returncode, done.stdout.strip()) == (0, "False"), done.stderr
+
+
+def test_the_command_needs_no_optional_package(tmp_path: Path) -> None:
+    """With sacrebleu, transformers, gguf, selenium and the dev tools unimportable: `qkv --help` and `qkv train`
+    work, and a feature that needs an extra says which, in one line."""
+    text = tmp_path / "text.txt"
+    text.write_text(_excerpt(), encoding="utf-8")
+    code = f"""
+import sys
+for name in {BLOCKED!r}:
+    sys.modules[name] = None  # importing it raises ImportError
+from qkv.cli import main
+try:
+    main(["--help"])
+except SystemExit as e:
+    assert e.code == 0, e.code
+assert main(["train", "--data", sys.argv[1], "--max-steps", "2", "--eval-interval", "2", "--block-size", "16",
+             "--n-layers", "1", "--d-model", "16", "--n-heads", "2", "--sample-tokens", "20",
+             "--out-dir", sys.argv[2]]) == 0
+assert main(["generate", sys.argv[2], "--max-new-tokens", "5"]) == 0
+sys.exit(main(["train", "translate", "--max-steps", "1", "--out-dir", sys.argv[3]]))
+"""
+    done = _python(code, str(text), str(tmp_path / "lm"), str(tmp_path / "tr"), cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        "qkv train: error: validation BLEU needs the sacrebleu package: pip install 'qkv[translate]'"
+    )
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "tr").exists()  # refused before anything was written
+
+
+def _excerpt() -> str:
+    from qkv.data import load_shakespeare
+
+    return load_shakespeare()[:5000]
+
+
+def _calls(path: Path) -> list[str]:
+    """The `.backward()` and optimiser/scaler `.step()` calls in a module."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            receiver = ast.unparse(node.func.value)
+            if node.func.attr == "backward" or (
+                node.func.attr == "step" and any(w in receiver.lower() for w in ("optim", "scaler", "opt"))
+            ):
+                found.append(node.func.attr)
+    return found
+
+
+def test_there_is_one_training_loop() -> None:
+    """Only qkv/training/loop.py calls .backward() or steps an optimiser: every task trains through it."""
+    callers = {str(p.relative_to(SRC)): _calls(p) for p in sorted(SRC.rglob("*.py")) if _calls(p)}
+    assert list(callers) == ["training/loop.py"], callers
+    assert sorted(callers["training/loop.py"]) == ["backward", "step"]  # once each: one loop
