@@ -483,3 +483,16 @@ def test_eval_prints_the_full_validation_loss(
     # eval_tokens (2000) covered the whole val split, so the last logged val loss is that same number.
     assert abs(printed - last_row["val_loss"]) < 1e-4
     assert last_row["step"] == 10
+
+
+def test_generate_into_a_closed_pipe_stops_quietly(shakespeare_run: Path) -> None:
+    """`qkv generate RUN | head -1`: the reader goes away, qkv stops with exit 0 and no traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "qkv", "generate", str(shakespeare_run), "--max-new-tokens", "3000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.readline()  # the echoed prompt, a newline
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0, err
+    assert "Traceback" not in err

@@ -37,10 +37,13 @@ def _broadcast(*shapes: Sequence[int]) -> tuple[int, ...] | None:
     ndim = max(len(s) for s in shapes)
     result = []
     for dims in zip(*[(1,) * (ndim - len(s)) + tuple(s) for s in shapes], strict=True):
-        sizes = {d for d in dims if d != 1}
-        if len(sizes) > 1:
-            return None
-        result.append(sizes.pop() if sizes else 1)
+        size = 1
+        for d in dims:  # comparisons only, no set of sizes: under torch.compile a size may be symbolic
+            if d != 1:
+                if size != 1 and d != size:
+                    return None
+                size = d
+        result.append(size)
     return tuple(result)
 
 

@@ -8,6 +8,7 @@ library never imports this package: it is the entry point, nothing else.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -46,6 +47,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"qkv {command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`qkv generate … | head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 0
 
 
 if __name__ == "__main__":
