@@ -61,12 +61,15 @@ def _penalty_options(p: argparse.ArgumentParser) -> None:
                    help="beam: GNMT's β, the cost of unattended source tokens (default: the run's, 0.2)")  # fmt: skip
 
 
-def _load(args: argparse.Namespace, expect: str | None = None) -> Any:
-    """The run named on the command line, on its device."""
+def _load(args: argparse.Namespace, expect: str | None = None, stored: dict[str, Any] | None = None) -> Any:
+    """The run named on the command line, on its device (`stored`: its config.json, if read already)."""
     from qkv.io.devices import resolve_device
-    from qkv.tasks import load
+    from qkv.tasks import load, task_run
 
-    return load(args.run_dir, args.checkpoint, resolve_device(args.device), expect)
+    device = resolve_device(args.device)
+    if stored is not None:
+        return task_run(stored["task"]).load(Path(args.run_dir), args.checkpoint, device, stored)
+    return load(args.run_dir, args.checkpoint, device, expect)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -143,10 +146,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from qkv.tasks.base import EvalOptions
 
     options = EvalOptions(args.batch_size, args.beam, args.length_penalty, args.coverage_penalty)
-    task = read_run_config(Path(args.run_dir))["task"]
-    if task != "translate":
-        options.refuse_beam_options(task)  # before a model is built from the run
-    for line in _load(args).evaluate(options):
+    stored = read_run_config(Path(args.run_dir))
+    if stored["task"] != "translate":
+        options.refuse_beam_options(stored["task"])  # before a model is built from the run
+    for line in _load(args, stored=stored).evaluate(options):
         print(line)
     return 0
 

@@ -22,6 +22,7 @@ from qkv.lab.attention_map import (
     AttentionMapResult,
     attention_map,
     decoder_attention_maps,
+    encoder_attention_maps,
     transformer_attention_maps,
 )
 from qkv.lab.heads import HeadsResult, heads
@@ -48,6 +49,7 @@ __all__ = [
     "attention_map",
     "build_report",
     "decoder_attention_maps",
+    "encoder_attention_maps",
     "heads",
     "load_embeddings",
     "masks",

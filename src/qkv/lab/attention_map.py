@@ -146,23 +146,27 @@ def _checked_batch(ids: torch.Tensor | Sequence[int], tokens: Sequence[str], max
 def decoder_attention_maps(
     model: DecoderLM, ids: torch.Tensor | Sequence[int], tokens: Sequence[str]
 ) -> AttentionMapResult:
-    """Self-attention weights of a DecoderLM for one sequence, every layer and head."""
-    batch = _checked_batch(ids, tokens, model.cfg.max_positions)
-    with torch.no_grad(), record_attention(model) as recorder:
-        model(batch.to(next(model.parameters()).device))
-    weights = recorder.weights_of("decoder.layers.*.self_attn")
-    return AttentionMapResult("decoder_lm", _layer_maps("self", weights, list(tokens), list(tokens)))
+    """Causal self-attention weights of a DecoderLM for one sequence, every layer and head."""
+    return _one_stack_maps(model, "decoder", ids, tokens)
 
 
 def encoder_attention_maps(
     model: EncoderModel, ids: torch.Tensor | Sequence[int], tokens: Sequence[str]
 ) -> AttentionMapResult:
     """Bidirectional self-attention weights of an EncoderModel for one sequence, every layer and head."""
+    return _one_stack_maps(model, "encoder", ids, tokens)
+
+
+def _one_stack_maps(
+    model: DecoderLM | EncoderModel, stack: str, ids: torch.Tensor | Sequence[int], tokens: Sequence[str]
+) -> AttentionMapResult:
+    """The self-attention of a model with one stack of layers (`model.decoder` or `model.encoder`)."""
     batch = _checked_batch(ids, tokens, model.cfg.max_positions)
     with torch.no_grad(), record_attention(model) as recorder:
         model(batch.to(next(model.parameters()).device))
-    weights = recorder.weights_of("encoder.layers.*.self_attn")
-    return AttentionMapResult("encoder", _layer_maps("self", weights, list(tokens), list(tokens)))
+    weights = recorder.weights_of(f"{stack}.layers.*.self_attn")
+    model_type = "decoder_lm" if stack == "decoder" else "encoder"
+    return AttentionMapResult(model_type, _layer_maps("self", weights, list(tokens), list(tokens)))
 
 
 def transformer_attention_maps(

@@ -75,6 +75,11 @@ def task_class(task: str) -> type[Task]:
     return cls
 
 
+def task_run(task: str) -> Any:
+    """The LoadedRun class of a task's runs."""
+    return _part(task, "run")
+
+
 def train(
     config: RunConfig | None = None, *, task: str = "lm", verbose: bool = True, hooks: Hooks | None = None,
     **settings: Any,
@@ -98,10 +103,10 @@ def load(
     """
     from qkv.io.run_dir import read_run_config
 
-    task = read_run_config(Path(run_dir))["task"]
-    if expect is not None and task != expect:
-        raise QkvError(f"{run_dir} holds a {task} run, not a {_entry(expect).kind}")
-    return _part(task, "run").load(Path(run_dir), checkpoint, device)
+    stored = read_run_config(Path(run_dir))
+    if expect is not None and stored["task"] != expect:
+        raise QkvError(f"{run_dir} holds a {stored['task']} run, not a {_entry(expect).kind}")
+    return task_run(stored["task"]).load(Path(run_dir), checkpoint, device, stored)
 
 
-__all__ = ["TASKS", "TaskEntry", "config_class", "load", "task_class", "train"]
+__all__ = ["TASKS", "TaskEntry", "config_class", "load", "task_class", "task_run", "train"]

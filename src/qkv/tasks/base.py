@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -32,6 +32,9 @@ class EvalOptions:
                            f"not {task} runs")  # fmt: skip
 
 
+R = TypeVar("R", bound="LoadedRun")
+
+
 @dataclass
 class LoadedRun:
     """A trained model with its tokenizer (None for a fixed vocabulary) and its run settings, in eval mode."""
@@ -45,9 +48,15 @@ class LoadedRun:
     config_class: ClassVar[type[RunConfig]] = RunConfig
 
     @classmethod
-    def load(cls, directory: Path, checkpoint: str = "best", device: str | torch.device = "cpu") -> Any:
-        """Read a run directory of this task: config.json, the chosen weights, the tokenizer."""
-        stored = read_run_config(directory)
+    def load(
+        cls: type[R],
+        directory: Path,
+        checkpoint: str = "best",
+        device: str | torch.device = "cpu",
+        stored: dict[str, Any] | None = None,
+    ) -> R:
+        """Read a run directory of this task: config.json (unless `stored` has it), the weights, the tokenizer."""
+        stored = read_run_config(directory) if stored is None else stored
         model = build_model(config_from_dict(stored["model_type"], stored["model"]))
         load_run_weights(model, directory, checkpoint)
         tokenizer = load_tokenizer(directory) if (Path(directory) / TOKENIZER_FILE).is_file() else None

@@ -152,6 +152,7 @@ class MLMTask(Task):
         self.cfg: MLMConfig = cfg
         self.data: TextData | None = None
         self.mask_id = 1
+        self._val_batches: list[MaskedBatch] = []
 
     @classmethod
     def run_name(cls, cfg: RunConfig) -> str:
@@ -213,14 +214,18 @@ class MLMTask(Task):
         return {"val_loss": loss, "val_accuracy": accuracy}
 
     def validation_batches(self, device: torch.device) -> list[MaskedBatch]:
-        """The validation split in consecutive windows, each masked by BERT's rule from a fixed seed."""
+        """The validation split in consecutive windows, each masked by BERT's rule from a fixed seed (made once)."""
         assert self.data is not None
-        return masked_windows(self.data.val_ids, self.cfg, self.data.tokenizer, self.cfg.batch_size, device)
+        if not self._val_batches or self._val_batches[0].inputs.device != device:
+            self._val_batches = masked_windows(self.data.val_ids, self.cfg, self.data.tokenizer, self.cfg.batch_size,
+                                               device)  # fmt: skip
+        return self._val_batches
 
     def baseline(self) -> float:
         """The accuracy of always predicting the training split's commonest token, on the validation targets."""
         assert self.data is not None
-        return baseline_accuracy(self.data.train_ids, self.validation_batches(torch.device("cpu")))
+        device = self._val_batches[0].inputs.device if self._val_batches else torch.device("cpu")
+        return baseline_accuracy(self.data.train_ids, self.validation_batches(device))
 
     def summary(self, result: TrainResult) -> str:
         """Accuracy against the commonest-token baseline, a few restored tokens, and what to try next."""

@@ -185,6 +185,8 @@ class TranslateTask(Task):
     def evaluate(self, ev: Evaluation) -> dict[str, float]:
         """Validation loss and greedy validation BLEU."""
         assert isinstance(ev.model, Transformer)
+        if self.val_batches[0].src.device != ev.ctx.device:  # moved once, at the first evaluation
+            self.val_batches = [b.to(ev.ctx.device) for b in self.val_batches]
         with ev.autocast():
             loss = evaluate_batches(ev.forward, self.val_batches)
         return {"val_loss": loss, "val_bleu": validation_bleu(ev.model, self.val_batches, self.translator(ev.model))}

@@ -89,9 +89,9 @@ def default_run_dir(task: type[Task], cfg: RunConfig) -> Path:
 
 def fit(task: type[Task], cfg: RunConfig, verbose: bool = True, hooks: Hooks | None = None) -> TrainResult:
     """Train `task` as `cfg` says, on this process (and its peers under torchrun); returns the result."""
-    stored_model = None
-    if cfg.resume:
-        cfg, stored_model = _resumed(task, cfg)
+    stored = _stored_run(task, cfg) if cfg.resume else None  # the config.json of the run to continue
+    if stored is not None:
+        cfg = cfg.resumed_from(stored["training"])  # its settings, with the ones given laid over them
     with distributed.process_group(resolve_device(cfg.device), cfg.strategy, cfg.dist_timeout) as ctx:
         run_dir = Path(cfg.out_dir) if cfg.out_dir else Path(distributed.agree(str(default_run_dir(task, cfg)), ctx))
         if run_dir.exists() and not run_dir.is_dir():
@@ -99,18 +99,19 @@ def fit(task: type[Task], cfg: RunConfig, verbose: bool = True, hooks: Hooks | N
         if not cfg.resume and ((run_dir / STATE_FILE).exists() or (run_dir / BEST_FILE).exists()):
             raise QkvError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --out-dir")
         with cpu_threads(cfg.cpu_threads, ctx.device):
-            return _Trainer(task(cfg, stored_model), cfg, run_dir, ctx, verbose, hooks or Hooks()).run()
+            trained = task(cfg, stored["model"] if stored else None)
+            return _Trainer(trained, cfg, run_dir, ctx, verbose, hooks or Hooks(), stored).run()
 
 
-def _resumed(task: type[Task], cfg: RunConfig) -> tuple[RunConfig, dict[str, Any]]:
-    """The stored run's settings with the ones given explicitly laid over them, and its model's config."""
+def _stored_run(task: type[Task], cfg: RunConfig) -> dict[str, Any]:
+    """The config.json of the run that cfg resumes, which must be a run of this task."""
     if not cfg.out_dir:
         raise QkvError("--resume needs --out-dir: the run directory to continue")
     stored = read_run_config(Path(cfg.out_dir))
     if stored["task"] != task.name:
         raise QkvError(f"{cfg.out_dir} holds a {stored['task']} run; continue it with `qkv train {stored['task']} "
                        f"--resume --out-dir {cfg.out_dir}`")  # fmt: skip
-    return cfg.resumed_from(stored["training"]), stored["model"]
+    return stored
 
 
 def split(examples: Sequence[Any], parts: int) -> list[Sequence[Any]]:
@@ -127,8 +128,9 @@ class _Trainer:
     """One training run on this process: the model, its optimiser and the loop's state."""
 
     def __init__(self, task: Task, cfg: RunConfig, run_dir: Path, ctx: distributed.DistContext, verbose: bool,
-                 hooks: Hooks) -> None:  # fmt: skip
+                 hooks: Hooks, stored: dict[str, Any] | None) -> None:  # fmt: skip
         self.task, self.cfg, self.run_dir, self.ctx, self.hooks = task, cfg, run_dir, ctx, hooks
+        self.stored = stored  # a resumed run's config.json
         torch.manual_seed(cfg.seed)  # the same seed on every rank: the same initial weights
         task.setup(run_dir, cfg.resume)
         self.model = task.build_model().to(ctx.device)
@@ -161,10 +163,9 @@ class _Trainer:
     def _write_config(self) -> None:
         """config.json (and the tokenizer) for a new run; for a resumed run, only if its settings changed."""
         settings = {**self.cfg.to_dict(), "resume": False}
-        if self.cfg.resume:
-            stored = read_run_config(self.run_dir)
-            settings["out_dir"] = stored["training"].get("out_dir")
-            if {**stored["training"], "resume": False} == settings:
+        if self.stored is not None:
+            settings["out_dir"] = self.stored["training"].get("out_dir")
+            if {**self.stored["training"], "resume": False} == settings:
                 return
         else:
             self.task.save(self.run_dir)
