@@ -72,10 +72,15 @@ def test_a_trained_encoder_loads_restores_and_shows_attention(
     assert isinstance(run, MLMRun) and isinstance(run.model, EncoderModel)
     filled = run.fill_mask("ROMEO: But, <mask>! what <mask>", top_k=2)
     assert len(filled) == 2 and all(len(options) == 2 for options in filled)
-    code, out, err = run_main(capsys, "eval", str(result.run_dir))
+    code, out, err = run_main(capsys, "eval", str(result.run_dir), "--batch-size", "7")
     assert (code, err) == (0, "")
-    assert re.fullmatch(r"masked-token accuracy \d\.\d{4}  loss \d+\.\d{4}  \([\d,]+ predicted positions, best "
-                        r"weights\); always the commonest token: \d\.\d{4} \(\d+\.\d×\)\n", out)  # fmt: skip
+    match = re.fullmatch(r"masked-token accuracy (\d\.\d{4})  loss (\d+\.\d{4})  \([\d,]+ predicted positions, best "
+                         r"weights\); always the commonest token: \d\.\d{4} \(\d+\.\d×\)\n", out)  # fmt: skip
+    assert match, out
+    # The same masks whatever the batch size: `qkv eval` scores what training's evaluation scored.
+    best = min(result.metrics, key=lambda r: r["val_loss"])
+    assert float(match.group(2)) == pytest.approx(best["val_loss"], abs=1e-4)
+    assert float(match.group(1)) == pytest.approx(best["val_accuracy"], abs=1e-4)
     maps = attention_map(result.run_dir, "ROMEO: But, soft!")
     assert maps.model_type == "encoder" and [m.kind for m in maps.maps] == ["self"]
     weights = maps.maps[0].weights  # (heads, T, T): bidirectional, every row sums to 1

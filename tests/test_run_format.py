@@ -1,4 +1,4 @@
-"""Run directories keep working: the ones written before the one-loop refactor (tests/fixtures/runs, made by
+"""Run directories keep working: the ones written before the one-loop refactor (tests/fixtures/run_dirs, made by
 commit eafba67) load, generate, translate, evaluate and resume, and their configs are migrated on reading.
 """
 
@@ -19,7 +19,7 @@ from qkv.tasks import load, train
 from qkv.tasks.lm import LMConfig, LMRun
 from qkv.tasks.translate import TranslationRun
 
-FIXTURES = Path(__file__).parent / "fixtures" / "runs"
+FIXTURES = Path(__file__).parent / "fixtures" / "run_dirs"
 
 
 def _copy(name: str, tmp_path: Path) -> Path:

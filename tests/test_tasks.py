@@ -165,6 +165,23 @@ def test_two_ddp_processes_train_like_one_with_twice_the_batch(
     assert rows[-1]["tokens_seen"] == single.metrics[-1]["tokens_seen"]  # both saw the global batch
 
 
+@pytest.mark.parametrize("task", ["translate", "mlm", "copy"])  # lm: tests/test_distributed.py; reverse is copy's
+def test_fsdp_trains_every_task_like_one_process(task: str, data: dict[str, Path], tmp_path: Path) -> None:
+    """--strategy fsdp shards every encoder and decoder layer; decoding (encode/decode) goes through FSDP too."""
+    settings = tiny_settings(task, data) | {"max_steps": 3, "eval_interval": 3}
+    b = settings["batch_size"]
+    single = _train(task, settings, tmp_path / "single", batch_size=2 * b)
+    argv = ["train", task, *cli_args(settings | {"batch_size": b}), "--nproc", "2", "--strategy", "fsdp",
+            "--out-dir", str(tmp_path / "fsdp")]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "qkv", *argv], capture_output=True, text=True, env=subprocess_env(),
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "2 processes (fsdp)" in done.stderr
+    assert _max_diff(single.run_dir, tmp_path / "fsdp") < 1e-4
+    rows = [json.loads(line) for line in (tmp_path / "fsdp" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["val_loss"] == pytest.approx(single.metrics[-1]["val_loss"], abs=1e-4)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("task", TASK_NAMES)
 def test_compiled_training_matches_eager(task: str, data: dict[str, Path], tmp_path: Path) -> None:

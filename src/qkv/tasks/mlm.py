@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from qkv.config import EncoderConfig
-from qkv.data.batches import eval_windows, random_starts, windows_at
+from qkv.data.batches import random_starts, windows_at
 from qkv.data.text import TextData, prepare_text_data
 from qkv.errors import QkvError
 from qkv.models import EncoderModel
@@ -251,16 +251,21 @@ def mask_id_of(tokenizer: Tokenizer) -> int:
 def masked_windows(
     ids: Tensor, cfg: MLMConfig, tokenizer: Tokenizer, batch_size: int, device: torch.device
 ) -> list[MaskedBatch]:
-    """Consecutive windows of ids, masked by BERT's rule with draws from a generator seeded by cfg.seed."""
-    mask_id = mask_id_of(tokenizer)
-    generator = torch.Generator().manual_seed(cfg.seed)
+    """Consecutive windows of block_size ids (the last one shorter), masked by BERT's rule, in batches.
+
+    The draws come from a generator seeded by cfg.seed, window by window, so the masks do not depend on
+    the batch size: training's evaluation and `qkv eval --batch-size N` score the same task.
+    """
+    mask_id, generator, t = mask_id_of(tokenizer), torch.Generator().manual_seed(cfg.seed), cfg.block_size
+    full = len(ids) // t * t
+    windows = [ids[:full].view(-1, t)] + ([ids[full:][None]] if len(ids) > full else [])  # (N, T), (1, r)
     batches = []
-    for window, _ in eval_windows(ids, cfg.block_size, batch_size):
-        shape = window.shape
-        order, choice = torch.rand(shape, generator=generator), torch.rand(shape, generator=generator)
-        random_ids = torch.randint(len(SPECIAL_TOKENS), tokenizer.vocab_size, shape, generator=generator)
-        masked = mask_tokens(window, order, choice, random_ids, cfg.n_selected(shape[1]), mask_id)
-        batches.append(MaskedBatch(*masked).to(device))
+    for group in windows:
+        order, choice = torch.rand(group.shape, generator=generator), torch.rand(group.shape, generator=generator)
+        random_ids = torch.randint(len(SPECIAL_TOKENS), tokenizer.vocab_size, group.shape, generator=generator)
+        masked = mask_tokens(group, order, choice, random_ids, cfg.n_selected(group.shape[1]), mask_id)
+        for rows in range(0, len(group), batch_size):
+            batches.append(MaskedBatch(*(m[rows : rows + batch_size] for m in masked)).to(device))
     return batches
 
 

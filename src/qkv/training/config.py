@@ -104,6 +104,8 @@ class RunConfig:
             raise QkvError("grad-clip and weight-decay must be ≥ 0")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise QkvError(f"betas must be in [0, 1), got ({self.beta1}, {self.beta2})")
+        if self.compile and self.strategy == "fsdp":  # dynamo would have to trace FSDP's gather hooks
+            raise QkvError("--compile works with one process or --strategy ddp, not with --strategy fsdp")
         self._check_model()
 
     def _check_model(self) -> None:

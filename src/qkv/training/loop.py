@@ -136,8 +136,6 @@ class _Trainer:
         self.model = task.build_model().to(ctx.device)
         if hooks.on_model is not None:
             hooks.on_model(self.model)
-        if cfg.compile and ctx.sharded:
-            raise QkvError("--compile works with one process or --strategy ddp, not with fsdp")
         self.compiled = None
         if cfg.compile:  # whole graphs only: a graph break raises instead of quietly running parts eagerly
             self.compiled = cast(nn.Module, torch.compile(self.model, fullgraph=True, dynamic=task.dynamic_shapes))
