@@ -100,7 +100,7 @@ def build_parser(task: str, cls: type[RunConfig]) -> argparse.ArgumentParser:
                    help=f"any {model_cls.__name__} field, e.g. --model positions=rotary (repeatable)")  # fmt: skip
     for name, text in SHORTCUTS:
         p.add_argument(f"--{name.replace('_', '-')}", dest=f"shortcut_{name}", type=int if name != "dropout" else float,
-                       help=f"model: {text}")  # fmt: skip
+                       metavar=name.upper(), help=f"model: {text}")  # fmt: skip
     p.add_argument("--nproc", type=int, help="train on N local processes (torch's elastic launcher, like torchrun)")
     return p
 

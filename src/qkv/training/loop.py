@@ -192,7 +192,8 @@ class _Trainer:
         layout = ""
         if self.ctx.enabled:
             layout = f", {self.ctx.world_size} processes ({self.ctx.strategy}), global batch {self.state.global_batch}"
-        data = f"{self.task.describe()}, " if self.task.describe() else ""
+        described = self.task.describe()
+        data = f"{described}, " if described else ""
         self.progress.log(f"qkv train {self.task.name}: {n_params / 1e6:.2f} M parameters, {data}device "
                           f"{self.ctx.device}{layout}, run dir {self.run_dir}")  # fmt: skip
         self.model.train()
