@@ -146,3 +146,40 @@ def test_cli_args_round_trip(data: dict[str, Path]) -> None:
         args, unknown = build_parser(task, cls).parse_known_args(cli_args(settings))
         assert not unknown
         assert cls(**_settings(args, cls)).to_dict() == cls(**settings).to_dict()
+
+
+def test_given_settings_are_checked_against_the_stored_run(data: dict[str, Path], tmp_path: Path) -> None:
+    """On resume, a given min-lr is checked against the run's lr, not against today's default lr."""
+    out = tmp_path / "run"
+    with one_thread():
+        train(LMConfig(**tiny_settings("lm", data) | {"lr": 1e-2, "max_steps": 2}, out_dir=str(out)), verbose=False)
+        result = train(LMConfig(out_dir=str(out), resume=True, min_lr=5e-3, max_steps=4), verbose=False)
+    assert result.step == 4 and _stored(out)["min_lr"] == 5e-3  # 5e-3 > the default lr, < the run's 1e-2
+    with pytest.raises(QkvError, match=r"min-lr must be in \[0, lr=0.01\], got 0.02"):
+        train(LMConfig(out_dir=str(out), resume=True, min_lr=2e-2), verbose=False)
+
+
+def test_every_boolean_setting_can_be_turned_off(capsys: pytest.CaptureFixture[str]) -> None:
+    """--compile and --no-compile (a resumed run may drop a stored True); --resume alone is a plain switch."""
+    for task in TASK_NAMES:
+        text = build_parser(task, config_class(task)).format_help()
+        assert "--compile, --no-compile" in text and "--fused-optimizer, --no-fused-optimizer" in text
+        assert "--no-resume" not in text
+
+
+def test_the_run_chooses_its_optimizer_kernel_on_resume() -> None:
+    """A stored optimizer state brings back its param groups' kernel flags; the resumed run's choice wins."""
+    import torch
+
+    from qkv.training.optim import apply_settings, chosen_kernels, make_optimizer
+
+    model = torch.nn.Linear(4, 4)
+    fused = make_optimizer(model, LMConfig(fused_optimizer=True))
+    state = fused.state_dict()
+    foreach = make_optimizer(model, LMConfig(fused_optimizer=False))
+    kernels = chosen_kernels(foreach)
+    foreach.load_state_dict(state)
+    assert foreach.param_groups[0]["fused"]  # what load_state_dict brought back
+    apply_settings(foreach, LMConfig(fused_optimizer=False), kernels)
+    assert chosen_kernels(foreach) == kernels
+    assert all(not g["fused"] and g["foreach"] for g in foreach.param_groups)

@@ -82,6 +82,8 @@ def test_an_old_translation_run_loads_translates_evaluates_and_resumes(
     assert isinstance(loaded, TranslationRun) and loaded.config.batch_size == 200
     code, out, err = run_main(capsys, "translate", str(run), "Wie geht es dir?", "--beam", "2")
     assert (code, err) == (0, "") and out.count("\n") == 1
+    assert run_main(capsys, "eval", str(run), "--batch-size", "0") == (2, "", "qkv eval: error: batch size must "
+                                                                         "be at least 1, got 0\n")  # fmt: skip
     code, out, err = run_main(capsys, "eval", str(run), "--beam", "1")
     assert (code, err) == (0, "")
     assert re.fullmatch(r"test  greedy: BLEU +\d+\.\d\d  chrF +\d+\.\d\d  \(1000 sentences, best weights\)\n", out)

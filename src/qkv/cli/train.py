@@ -38,6 +38,7 @@ def main(argv: list[str]) -> int:
     """Parse `qkv train [TASK] …` for its task, train, and print what the task shows at the end."""
     from qkv.tasks import config_class, task_class, train
     from qkv.training.distributed import is_main_process
+    from qkv.training.loop import stored_run
 
     task, rest = _task_of(argv)
     cls = config_class(task)
@@ -49,6 +50,8 @@ def main(argv: list[str]) -> int:
     cfg = cls(**settings)  # checked here, once, before any process is launched
     nproc = getattr(args, "nproc", None)
     if nproc is not None:
+        if cfg.resume:  # the merged settings are checked here, not once in every process
+            cfg.resumed_from(stored_run(task_class(task), cfg)["training"])
         return _launch(nproc, ["train", task, *_without_nproc(rest)], cfg, task_class(task))
     result = train(cfg)
     if not is_main_process():  # under torchrun, rank 0 reports for the run
@@ -87,14 +90,13 @@ def build_parser(task: str, cls: type[RunConfig]) -> argparse.ArgumentParser:
         if f.metadata.get("choices"):
             text += f"; one of {', '.join(f.metadata['choices'])}"
         default = getattr(defaults, f.name)
-        if kind is bool:
-            action: Any = argparse.BooleanOptionalAction if default else "store_true"
-            p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, action=action, help=text)
+        flag = f"--{f.name.replace('_', '-')}"
+        if f.name == "resume":  # an action, not a setting
+            p.add_argument(flag, dest=f.name, action="store_true", help=text)
+        elif kind is bool:  # --compile / --no-compile: a resumed run may turn a stored setting off again
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=f"{text} (default {default})")
         else:
-            none = "; none: no limit" if kind is not hints[f.name] else ""
-            p.add_argument(
-                f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, help=f"{text} (default {default}{none})"
-            )
+            p.add_argument(flag, dest=f.name, type=kind, help=f"{text} (default {default})")
     model_cls = cls.model_config
     p.add_argument("--model", action="append", type=key_value, metavar="KEY=VALUE",
                    help=f"any {model_cls.__name__} field, e.g. --model positions=rotary (repeatable)")  # fmt: skip

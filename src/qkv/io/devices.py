@@ -42,10 +42,14 @@ def autocast_context(device: torch.device, dtype: str) -> contextlib.AbstractCon
 
 
 @contextlib.contextmanager
-def cpu_threads(n: int | None, device: torch.device) -> Any:
-    """PyTorch's intra-op CPU threads set to n while the block runs (None or a GPU: unchanged)."""
+def cpu_threads(n: int | None, device: torch.device | None = None) -> Any:
+    """PyTorch's intra-op CPU threads set to n while the block (or decorated function) runs.
+
+    None, or a run on a GPU, leaves them as they are. One thread is the fastest for tiny matrices (decoding,
+    the toy tasks): with two, each op's threads wait on each other.
+    """
     previous = torch.get_num_threads()
-    if n is not None and device.type == "cpu":
+    if n is not None and (device is None or device.type == "cpu"):
         torch.set_num_threads(n)
     try:
         yield

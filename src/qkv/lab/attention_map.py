@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from qkv.attention import record_attention
+from qkv.attention import AttentionRecorder, record_attention
 from qkv.errors import QkvError
 from qkv.lab.plotting import Section, display_token, format_table, head_grid, save
 from qkv.models import DecoderLM, EncoderModel, Transformer
+from qkv.translation.attention_maps import recorded_translation, teacher_forced_attention
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -182,8 +183,15 @@ def transformer_attention_maps(
         raise QkvError("need one token label per source id and per target id")
     _check_fits(max(src.shape[1], tgt.shape[1]), model.cfg.max_positions)
     device = next(model.parameters()).device
-    with torch.no_grad(), record_attention(model) as recorder:
-        model.decode(tgt.to(device), model.encode(src.to(device)))
+    return _encoder_decoder_maps(
+        teacher_forced_attention(model, src.to(device), tgt.to(device)), src_tokens, tgt_tokens
+    )
+
+
+def _encoder_decoder_maps(
+    recorder: AttentionRecorder, src_tokens: Sequence[str], tgt_tokens: Sequence[str]
+) -> AttentionMapResult:
+    """The encoder self-, decoder self- and cross-attention maps of a recorded encoder–decoder pass."""
     s, t = list(src_tokens), list(tgt_tokens)
     maps = _layer_maps("encoder", recorder.weights_of("encoder.layers.*.self_attn"), s, s)
     maps += _layer_maps("decoder", recorder.weights_of("decoder.layers.*.self_attn"), t, t)
@@ -212,11 +220,9 @@ def attention_map(run_dir: str | Path, text: str = DEFAULT_TEXT, checkpoint: str
 def _translation_maps(run: Any, text: str) -> AttentionMapResult:
     """An encoder–decoder run: `text` is the source; the target is the model's own greedy translation."""
     translator = run.translator()
-    src = translator.encode_sources([text])  # (1, S)
-    tgt = [translator.specials.bos, *translator.decode_ids(src)[0]]  # decoder input, teacher-forced
-    src_ids = src[0].tolist()
-    labels = translator.tokenizer
-    return transformer_attention_maps(run.model, src_ids, tgt, _tokens(labels, src_ids), _tokens(labels, tgt))
+    src, tgt, recorder = recorded_translation(translator, text)
+    _check_fits(max(len(src), len(tgt)), run.model.cfg.max_positions)
+    return _encoder_decoder_maps(recorder, _tokens(translator.tokenizer, src), _tokens(translator.tokenizer, tgt))
 
 
 def plot(result: AttentionMapResult, path: str | Path | None, index: int = 0) -> Figure:

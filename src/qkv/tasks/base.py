@@ -25,6 +25,13 @@ class EvalOptions:
     length_penalty: float | None = None
     coverage_penalty: float | None = None
 
+    def __post_init__(self) -> None:
+        """Refuse sizes below 1 by name."""
+        if self.batch_size < 1:
+            raise QkvError(f"batch size must be at least 1, got {self.batch_size}")
+        if self.beam < 1:
+            raise QkvError(f"--beam must be ≥ 1, got {self.beam}")
+
     def refuse_beam_options(self, task: str) -> None:
         """A one-line error when beam-search options are given for a task that does not decode with a beam."""
         if self.length_penalty is not None or self.coverage_penalty is not None:

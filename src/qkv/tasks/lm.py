@@ -25,6 +25,7 @@ from qkv.errors import QkvError
 from qkv.generation import Sampling, stream
 from qkv.models import DecoderLM
 from qkv.tasks.base import EvalOptions, LoadedRun
+from qkv.tasks.text import TextConfig, check_window_fits
 from qkv.tokenizers import load_tokenizer
 from qkv.training import Evaluation, RunConfig, Task, TrainResult, evaluate_loss, option, perplexity
 from qkv.training.distributed import sharded_eval_loss
@@ -46,35 +47,28 @@ DEFAULT_MODEL: dict[str, Any] = {
 
 
 @dataclass(kw_only=True)
-class LMConfig(RunConfig):
-    """How to train a language model: the shared settings plus its data, tokenizer, context and sample."""
+class LMConfig(TextConfig):
+    """How to train a language model: the shared settings plus its text, tokenizer, context and sample."""
 
     task: ClassVar[str] = "lm"
     model_config: ClassVar[type[DecoderLMConfig]] = DecoderLMConfig
     default_model: ClassVar[dict[str, Any]] = DEFAULT_MODEL
 
     model: dict[str, Any] = option(factory=dict, help="DecoderLMConfig fields over the recipe's", fixed=True)
-    data: str | None = option(None, "a UTF-8 text file (default: the embedded Shakespeare corpus)", fixed=True)
     tokenizer: str = option("char", "char, or bpe (byte-level BPE trained on the train split)", fixed=True,
                             choices=("char", "bpe"))  # fmt: skip
     vocab_size: int = option(1024, "the BPE vocabulary's size (bpe only)", fixed=True)
     block_size: int = option(128, "context length in tokens", fixed=True)
-    eval_tokens: int | None = option(None, "validation tokens read by periodic evaluations (default: all)")
+    eval_tokens: int | None = option(None, "validation tokens read by periodic evaluations (none: all)")
     sample_tokens: int = option(400, "tokens sampled when training ends (0 = none)")
 
     def __post_init__(self) -> None:
         """The shared checks, then the language model's own."""
         super().__post_init__()
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise QkvError(f"block-size must be a positive integer, got {self.block_size!r}")
         if self.eval_tokens is not None and self.eval_tokens < 2:
             raise QkvError(f"eval-tokens must be ≥ 2, got {self.eval_tokens}")
         if self.sample_tokens < 0:
             raise QkvError(f"sample-tokens must be ≥ 0, got {self.sample_tokens}")
-        if "vocab_size" in self.model:
-            raise QkvError("the model's vocab_size comes from the tokenizer; use --vocab-size (bpe) instead")
-        if self.data is not None:
-            self.data = str(Path(self.data).expanduser().resolve())  # so eval/resume work from any directory
 
 
 @dataclass
@@ -109,7 +103,7 @@ class LMTask(Task):
     def run_name(cls, cfg: RunConfig) -> str:
         """<data file name, or shakespeare>-<tokenizer>."""
         assert isinstance(cfg, LMConfig)
-        return f"{'shakespeare' if cfg.data is None else Path(cfg.data).stem}-{cfg.tokenizer}"
+        return f"{cfg.text_name()}-{cfg.tokenizer}"
 
     def setup(self, run_dir: Path, resume: bool) -> None:
         """Tokenize the text (with the run's own tokenizer on resume) and check the context fits."""
@@ -118,9 +112,7 @@ class LMTask(Task):
         size = cfg.vocab_size if cfg.tokenizer == "bpe" else None
         self.data = prepare_text_data(cfg.data, cfg.tokenizer, size, stored)
         self.tokenizer = self.data.tokenizer
-        if cfg.block_size + 1 > len(self.data.train_ids):
-            raise QkvError(f"block size {cfg.block_size} is larger than the training data "
-                           f"({len(self.data.train_ids)} tokens); use a smaller --block-size or more text")  # fmt: skip
+        check_window_fits(cfg.block_size, self.data.train_ids)
 
     def new_model_config(self) -> DecoderLMConfig:
         """A DecoderLM over the tokenizer's vocabulary with a context of block_size tokens."""

@@ -27,6 +27,7 @@ from qkv.data.text import TextData, prepare_text_data
 from qkv.errors import QkvError
 from qkv.models import EncoderModel
 from qkv.tasks.base import EvalOptions, LoadedRun
+from qkv.tasks.text import TextConfig, check_window_fits
 from qkv.tokenizers import ENDOFTEXT, Tokenizer, load_tokenizer
 from qkv.training import Evaluation, RunConfig, Task, TrainResult, option
 
@@ -51,34 +52,26 @@ DEFAULT_MODEL: dict[str, Any] = {
 
 
 @dataclass(kw_only=True)
-class MLMConfig(RunConfig):
-    """How to pretrain a masked language model: the shared settings plus its data, vocabulary and masking."""
+class MLMConfig(TextConfig):
+    """How to pretrain a masked language model: the shared settings plus its text, vocabulary and masking."""
 
     task: ClassVar[str] = "mlm"
     model_config: ClassVar[type[EncoderConfig]] = EncoderConfig
     default_model: ClassVar[dict[str, Any]] = DEFAULT_MODEL
 
     model: dict[str, Any] = option(factory=dict, help="EncoderConfig fields over the recipe's", fixed=True)
-    data: str | None = option(None, "a UTF-8 text file (default: the embedded Shakespeare corpus)", fixed=True)
     vocab_size: int = option(384, "the byte-level BPE vocabulary's size", fixed=True)
-    block_size: int = option(128, "tokens per window", fixed=True)
     batch_size: int = option(32, "windows per micro-batch and process", fixed=True)
     mask_prob: float = option(0.15, "share of positions selected for prediction (BERT's 15 %)", fixed=True)
     max_steps: int = option(600, "optimiser steps (the schedule's length)")
-    max_time: float | None = option(270.0, "stop after this many seconds, evaluations included (checkpoint saved)")
+    max_time: float | None = option(270.0, "stop after this many seconds, evaluations included (none: no limit)")
     eval_interval: int = option(300, "steps between evaluations and checkpoints")
 
     def __post_init__(self) -> None:
-        """The shared checks, then the masked language model's own."""
+        """The shared checks, then the masking's."""
         super().__post_init__()
-        if not isinstance(self.block_size, int) or self.block_size < 2:
-            raise QkvError(f"block-size must be an integer ≥ 2, got {self.block_size!r}")
         if not 0 < self.mask_prob < 1:
             raise QkvError(f"mask-prob must be in (0, 1), got {self.mask_prob}")
-        if "vocab_size" in self.model:
-            raise QkvError("the model's vocab_size comes from the tokenizer; use --vocab-size instead")
-        if self.data is not None:
-            self.data = str(Path(self.data).expanduser().resolve())
 
     def n_selected(self, length: int) -> int:
         """How many positions of a window of `length` tokens are predicted (BERT: round(p · T), at least 1)."""
@@ -158,7 +151,7 @@ class MLMTask(Task):
     def run_name(cls, cfg: RunConfig) -> str:
         """<data file name, or shakespeare>-mlm."""
         assert isinstance(cfg, MLMConfig)
-        return f"{'shakespeare' if cfg.data is None else Path(cfg.data).stem}-mlm"
+        return f"{cfg.text_name()}-mlm"
 
     def setup(self, run_dir: Path, resume: bool) -> None:
         """A BPE vocabulary with <mask> (trained on the train split, or the run's), the token ids of both splits."""
@@ -166,9 +159,7 @@ class MLMTask(Task):
         self.data = prepare_text_data(self.cfg.data, "bpe", self.cfg.vocab_size, stored, SPECIAL_TOKENS)
         self.tokenizer = self.data.tokenizer
         self.mask_id = mask_id_of(self.tokenizer)
-        if self.cfg.block_size + 1 > len(self.data.train_ids):
-            raise QkvError(f"block size {self.cfg.block_size} is larger than the training data "
-                           f"({len(self.data.train_ids)} tokens); use a smaller --block-size or more text")  # fmt: skip
+        check_window_fits(self.cfg.block_size, self.data.train_ids)
 
     def new_model_config(self) -> EncoderConfig:
         """An encoder with the masked-LM head over the tokenizer's vocabulary."""

@@ -58,7 +58,7 @@ class CopyConfig(RunConfig):
     weight_decay: float = option(0.0, "AdamW weight decay on matrices")
     fused_optimizer: bool = option(False, "PyTorch's fused AdamW kernel (off: its multi-tensor implementation)")
     eval_interval: int = option(300, "steps between evaluations and checkpoints")
-    # Tiny matrices: two threads only wait on each other (see translation.decoding.one_cpu_thread).
+    # Tiny matrices: two threads only wait on each other (qkv.io.devices.cpu_threads).
     cpu_threads: int | None = option(1, "intra-op CPU threads")
     seed: int = option(0, "random seed (weights, batches)", fixed=True)
 

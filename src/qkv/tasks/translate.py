@@ -24,9 +24,10 @@ from qkv.models import Transformer
 from qkv.tasks.base import EvalOptions, LoadedRun
 from qkv.tokenizers import load_tokenizer
 from qkv.training import Evaluation, RunConfig, Task, TrainResult, option
+from qkv.training.config import absolute, positive_int
 from qkv.translation.batching import Seq2SeqBatch, Specials, batches_of, encode_pairs, length_buckets, make_batch
 from qkv.translation.corpus import Splits, split_de_en, split_pairs_file
-from qkv.translation.decoding import greedy_decode
+from qkv.translation.decoding import check_penalties, greedy_decode
 from qkv.translation.metrics import corpus_bleu, corpus_chrf
 from qkv.translation.run import Translator, specials_of, train_tokenizer
 from qkv.translation.step import batch_loss, evaluate_batches
@@ -54,12 +55,12 @@ class TranslateConfig(RunConfig):
     default_model: ClassVar[dict[str, Any]] = DEFAULT_MODEL
 
     model: dict[str, Any] = option(factory=dict, help="TransformerConfig fields over the recipe's", fixed=True)
-    data: str | None = option(None, "a UTF-8 file of source<TAB>target pairs (default: the Ding sentences)",
+    data: str | None = option(None, "a UTF-8 file of source<TAB>target pairs (none: the Ding sentences)",
                               fixed=True)  # fmt: skip
     vocab_size: int = option(4000, "the shared byte-level BPE vocabulary's size", fixed=True)
     batch_size: int = option(1500, "padded tokens per side, per micro-batch and process", fixed=True)
     max_steps: int = option(4400, "optimiser steps (the schedule's length)")
-    max_time: float | None = option(840.0, "stop after this many seconds, evaluations included (checkpoint saved)")
+    max_time: float | None = option(840.0, "stop after this many seconds, evaluations included (none: no limit)")
     min_lr: float | None = option(0.0, "final learning rate")
     warmup_steps: int = option(200, "linear warmup steps")
     beta2: float = option(0.98, "AdamW β₂ (the paper's)")
@@ -72,19 +73,15 @@ class TranslateConfig(RunConfig):
     def __post_init__(self) -> None:
         """The shared checks, then the translation task's own."""
         super().__post_init__()
-        for name in ("vocab_size", "beam_size"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise QkvError(f"{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")
+        positive_int(self, "vocab_size")
+        positive_int(self, "beam_size")
         if not 0 <= self.label_smoothing < 1:
             raise QkvError(f"label smoothing must be in [0, 1), got {self.label_smoothing}")
-        if self.length_penalty < 0 or self.coverage_penalty < 0:
-            raise QkvError(f"length and coverage penalties must be ≥ 0, got {self.length_penalty} and "
-                           f"{self.coverage_penalty}")  # fmt: skip
+        check_penalties(self.length_penalty, self.coverage_penalty)
         reserved = sorted({"src_vocab_size", "tgt_vocab_size", "pad_id", "share_embeddings"} & set(self.model))
         if reserved:
             raise QkvError(f"{', '.join(reserved)}: set by the task (one shared vocabulary); use --vocab-size")
-        if self.data is not None:
-            self.data = str(Path(self.data).expanduser().resolve())
+        self.data = absolute(self.data)
 
     def splits(self) -> Splits:
         """The run's train / validation / test pairs."""

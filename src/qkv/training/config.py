@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from qkv.config import BlockConfig
@@ -53,9 +54,9 @@ class RunConfig:
     batch_size: int = option(8, "sequences per micro-batch and process", fixed=True)
     grad_accum: int = option(1, "micro-batches per optimiser step", fixed=True)
     max_steps: int = option(600, "optimiser steps (the schedule's length)")
-    max_time: float | None = option(None, "stop after this many seconds, evaluations included (checkpoint saved)")
+    max_time: float | None = option(None, "stop after this many seconds, evaluations included (none: no limit)")
     lr: float = option(3e-3, "peak learning rate")
-    min_lr: float | None = option(None, "final learning rate (default: lr / 20)")
+    min_lr: float | None = option(None, "final learning rate (none: lr / 20)")
     warmup_steps: int = option(100, "linear warmup steps")
     schedule: str = option("cosine", "the decay after warmup", choices=SCHEDULE_KINDS)
     weight_decay: float = option(0.1, "AdamW weight decay on matrices")
@@ -67,11 +68,11 @@ class RunConfig:
     device: str = option("auto", "auto, cpu, cuda, cuda:N or mps")
     dtype: str = option("float32", "autocast dtype (weights stay float32)", choices=DTYPES)
     compile: bool = option(False, "torch.compile the model (whole graphs only: a graph break is an error)")
-    cpu_threads: int | None = option(None, "intra-op CPU threads (default: one per core)")
+    cpu_threads: int | None = option(None, "intra-op CPU threads (none: one per core)")
     strategy: str = option("ddp", "with several processes: ddp, or fsdp (sharded parameters)", choices=STRATEGIES)
     dist_timeout: float = option(60.0, "seconds a collective waits for a dead or hung process")
     seed: int = option(1337, "random seed (weights, batches, dropout)", fixed=True)
-    out_dir: str | None = option(None, "run directory (default: runs/<task name>-<date>-<time>)")
+    out_dir: str | None = option(None, "run directory (none: runs/<task name>-<date>-<time>)")
     resume: bool = option(False, "continue the run in --out-dir")
 
     def __new__(cls, *args: Any, **kwargs: Any) -> RunConfig:
@@ -87,15 +88,13 @@ class RunConfig:
             if choices and getattr(self, f.name) not in choices:
                 raise QkvError(f"unknown {f.name} {getattr(self, f.name)!r}; choose one of: {', '.join(choices)}")
         for name in ("batch_size", "grad_accum", "max_steps", "eval_interval"):
-            _positive_int(self, name)
+            positive_int(self, name)
         if self.cpu_threads is not None:
-            _positive_int(self, "cpu_threads")
+            positive_int(self, "cpu_threads")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise QkvError(f"warmup-steps must be ≥ 0, got {self.warmup_steps}")
         if self.lr <= 0:
             raise QkvError(f"lr must be positive, got {self.lr}")
-        if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
-            raise QkvError(f"min-lr must be in [0, lr={self.lr}], got {self.min_lr}")
         if self.max_time is not None and self.max_time <= 0:
             raise QkvError(f"max-time must be positive seconds, got {self.max_time}")
         if self.dist_timeout <= 0:
@@ -104,9 +103,16 @@ class RunConfig:
             raise QkvError("grad-clip and weight-decay must be ≥ 0")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise QkvError(f"betas must be in [0, 1), got ({self.beta1}, {self.beta2})")
+        self._check_model()
+        if not self.resume:  # a resumed run's settings are checked together once merged with the stored ones
+            self.check_together()
+
+    def check_together(self) -> None:
+        """The rules that tie settings to each other (run on the whole, merged config of a resumed run too)."""
+        if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
+            raise QkvError(f"min-lr must be in [0, lr={self.lr}], got {self.min_lr}")
         if self.compile and self.strategy == "fsdp":  # dynamo would have to trace FSDP's gather hooks
             raise QkvError("--compile works with one process or --strategy ddp, not with --strategy fsdp")
-        self._check_model()
 
     def _check_model(self) -> None:
         """Lay the given model fields over the task's recipe, refusing names its model config does not have."""
@@ -159,15 +165,17 @@ class RunConfig:
                 flag = "--model" if f.name == "model" else f"--{dashed(f.name)}"
                 raise QkvError(f"{flag} cannot change on --resume (the run has {f.name}={old!r}); drop it")
             changes[f.name] = new
-        return type(self)(**{**stored, **changes, "resume": True, "out_dir": self.out_dir})
+        merged = type(self)(**{**stored, **changes, "resume": True, "out_dir": self.out_dir})
+        merged.check_together()
+        return merged
 
 
-def fixed_fields(cls: type[RunConfig]) -> list[str]:
-    """The settings a resumed run keeps whatever is given."""
-    return [f.name for f in dataclasses.fields(cls) if f.metadata.get("fixed")]
+def absolute(path: str | None) -> str | None:
+    """A data file's absolute path, so that eval and resume find it from any directory (None stays None)."""
+    return None if path is None else str(Path(path).expanduser().resolve())
 
 
-def _positive_int(cfg: RunConfig, name: str) -> None:
+def positive_int(cfg: RunConfig, name: str) -> None:
     """Refuse a setting that is not a positive integer, naming it as the command line does."""
     value = getattr(cfg, name)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -6,9 +6,10 @@ this module turns that into a process group (gloo on CPU, nccl on CUDA), wraps t
 the few collectives the training loop needs. With one process everything here is a no-op, so a plain
 `qkv train` runs exactly the code path it always did.
 
-Data parallelism by a *global* batch: every rank draws the same world_size·B windows from the same
-seeded generator and keeps its own B rows, so N ranks × B see exactly the rows 1 rank × N·B sees, and
-the data generator's state in a checkpoint is independent of the world size.
+Data parallelism by a *global* batch: every rank draws the same examples for the whole step (world size ×
+grad_accum micro-batches of B) from the same seeded generator and keeps its own slices (qkv.training.loop),
+so N ranks × B see exactly the examples 1 rank × N·B sees, and the data generator's state in a checkpoint
+is independent of the world size.
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ def process_group(device: torch.device, strategy: str, timeout_s: float) -> Iter
         raise QkvError(f"unknown strategy {strategy!r}; choose one of: {', '.join(STRATEGIES)}")
     world = env_world_size()
     if world == 1:
+        if device.type == "cuda" and device.index is None:  # "cuda" → "cuda:0", as tensors on it report
+            device = torch.device("cuda", torch.cuda.current_device())
         yield DistContext(0, 1, strategy, device)
         return
     if "MASTER_ADDR" not in os.environ:
@@ -313,7 +316,7 @@ class ConsolidatedOptimizer:
 
 
 def load_full_model_state(model: nn.Module, state: dict[str, Tensor], ctx: DistContext) -> None:
-    """Load consolidated weights (already checked by run.load_weights' rules) into the training model."""
+    """Load consolidated weights (already checked by qkv.io.run_dir.check_weights) into the training model."""
     if ctx.sharded:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 

@@ -44,7 +44,7 @@ from qkv.models import model_type_of
 from qkv.training import distributed
 from qkv.training.checkpoint import load_training_state, save_training_state
 from qkv.training.config import RunConfig
-from qkv.training.optim import apply_settings, make_optimizer
+from qkv.training.optim import apply_settings, chosen_kernels, make_optimizer
 from qkv.training.plots import plot_losses
 from qkv.training.progress import Progress
 from qkv.training.schedule import LRSchedule
@@ -89,7 +89,7 @@ def default_run_dir(task: type[Task], cfg: RunConfig) -> Path:
 
 def fit(task: type[Task], cfg: RunConfig, verbose: bool = True, hooks: Hooks | None = None) -> TrainResult:
     """Train `task` as `cfg` says, on this process (and its peers under torchrun); returns the result."""
-    stored = _stored_run(task, cfg) if cfg.resume else None  # the config.json of the run to continue
+    stored = stored_run(task, cfg) if cfg.resume else None  # the config.json of the run to continue
     if stored is not None:
         cfg = cfg.resumed_from(stored["training"])  # its settings, with the ones given laid over them
     with distributed.process_group(resolve_device(cfg.device), cfg.strategy, cfg.dist_timeout) as ctx:
@@ -103,7 +103,7 @@ def fit(task: type[Task], cfg: RunConfig, verbose: bool = True, hooks: Hooks | N
             return _Trainer(trained, cfg, run_dir, ctx, verbose, hooks or Hooks(), stored).run()
 
 
-def _stored_run(task: type[Task], cfg: RunConfig) -> dict[str, Any]:
+def stored_run(task: type[Task], cfg: RunConfig) -> dict[str, Any]:
     """The config.json of the run that cfg resumes, which must be a run of this task."""
     if not cfg.out_dir:
         raise QkvError("--resume needs --out-dir: the run directory to continue")
@@ -172,11 +172,12 @@ class _Trainer:
 
     def _restore(self) -> None:
         """Load the last checkpoint: weights, optimiser, RNGs, the data generator and the counters."""
+        kernels = chosen_kernels(self.optimizer)  # the stored param groups would bring back the old ones
         consolidated = distributed.ConsolidatedOptimizer(self.model, self.optimizer, self.ctx)
         state, extra = load_training_state(self.run_dir, consolidated, {"data": self.data_gen})
         check_weights(self.model, state, self.run_dir / LAST_FILE)
         distributed.load_full_model_state(self.model, state, self.ctx)
-        apply_settings(self.optimizer, self.cfg)  # settings given on resume replace the stored ones
+        apply_settings(self.optimizer, self.cfg, kernels)  # settings given on resume replace the stored ones
         extra = migrate_state(extra)
         self.state = _Progress(extra["step"], extra["tokens_seen"], extra["elapsed_s"],
                                extra["elapsed_s"] - extra["train_s"], extra["best"],

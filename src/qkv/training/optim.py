@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -33,9 +33,18 @@ def make_optimizer(model: nn.Module, cfg: OptimizerSettings) -> torch.optim.Adam
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
 
 
-def apply_settings(optimizer: torch.optim.Optimizer, cfg: OptimizerSettings) -> None:
-    """Set betas and weight decay from cfg (a resumed run's stored param groups hold the old ones)."""
+KERNELS = ("fused", "foreach")  # which implementation of AdamW a param group runs
+
+
+def chosen_kernels(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The implementation each param group of a freshly made optimizer runs (fused or foreach)."""
+    return [{k: group.get(k) for k in KERNELS} for group in optimizer.param_groups]
+
+
+def apply_settings(optimizer: torch.optim.Optimizer, cfg: OptimizerSettings, kernels: list[dict[str, Any]]) -> None:
+    """Betas, weight decay and kernels from this run's config, over the ones a resumed state brought back."""
     decay, no_decay = optimizer.param_groups
     decay["weight_decay"], no_decay["weight_decay"] = cfg.weight_decay, 0.0
-    for group in optimizer.param_groups:
+    for group, kernel in zip(optimizer.param_groups, kernels, strict=True):
         group["betas"] = (cfg.beta1, cfg.beta2)
+        group.update(kernel)

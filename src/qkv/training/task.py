@@ -125,7 +125,8 @@ class Task(ABC):
     def draw(self, generator: torch.Generator, budget: int, parts: int) -> Any:
         """One optimiser step's examples for every process, from `generator` alone.
 
-        budget: batch_size × processes × grad_accum, in the task's batch unit (sequences, tokens).
+        budget: the run's global batch (batch_size × processes of its first session, kept on resume) ×
+        grad_accum, in the task's batch unit (sequences, tokens).
         The loop cuts the result into `parts` micro-batches (contiguous, near-equal slices), so the
         examples must support len() and slicing, and hold at least `parts` of them.
         """

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from qkv.attention import padding_mask_from_ids, record_attention
+from qkv.attention import AttentionRecorder, padding_mask_from_ids, record_attention
+from qkv.models import Transformer
 from qkv.translation.run import Translator
 
 
@@ -20,25 +21,38 @@ def _labels(translator: Translator, ids: list[int]) -> list[str]:
 
 
 @torch.no_grad()
+def teacher_forced_attention(model: Transformer, src: Tensor, tgt: Tensor, pad: int | None = None) -> AttentionRecorder:
+    """Every attention weight of one teacher-forced pass: source (1, S), decoder input (1, T); pad masks the source."""
+    src_mask = padding_mask_from_ids(src, pad) if pad is not None else None  # (1, 1, 1, S)
+    with record_attention(model) as recorder:
+        model.decode(tgt, model.encode(src, src_mask), src_mask)
+    return recorder
+
+
+def recorded_translation(
+    translator: Translator, sentence: str, beam_size: int = 1
+) -> tuple[list[int], list[int], AttentionRecorder]:
+    """Translate a sentence, then record one teacher-forced pass over <s> + the output.
+
+    Returns the source ids, the decoder's input ids (<s> + output) and the recorded attention. These
+    are the weights incremental decoding used: the same prefixes, the same memory.
+    """
+    src = translator.encode_sources([sentence])  # (1, S)
+    sp = translator.specials
+    tgt = [sp.bos, *translator.decode_ids(src, beam_size)[0]]
+    recorder = teacher_forced_attention(translator.model, src, torch.tensor([tgt], device=src.device), sp.pad)
+    return src[0].tolist(), tgt, recorder
+
+
 def cross_attention(
     translator: Translator, sentence: str, beam_size: int = 1
 ) -> tuple[list[str], list[str], list[Tensor]]:
-    """Source labels, target labels and per-layer cross-attention weights (H, T, S) for a sentence's translation.
-
-    The translation is decoded first; then one teacher-forced pass over <s> + output records the
-    weights, which are the ones incremental decoding used (the same prefixes, the same memory).
-    """
-    src = translator.encode_sources([sentence])  # (1, S)
-    sp, model = translator.specials, translator.model
-    out = translator.decode_ids(src, beam_size)
-    tgt = torch.tensor([[sp.bos, *out[0]]], device=src.device)  # (1, T)
-    src_mask = padding_mask_from_ids(src, sp.pad)  # (1, 1, 1, S)
-    with record_attention(model, only="decoder.layers.*.cross_attn") as recorder:
-        model.decode(tgt, model.encode(src, src_mask), src_mask)
-    # Target labels name what each row predicted: output token t was produced while reading tgt[:, t].
-    targets = _labels(translator, [*out[0], sp.eos])
+    """Source labels, target labels and per-layer cross-attention weights (H, T, S) for a sentence's translation."""
+    src, tgt, recorder = recorded_translation(translator, sentence, beam_size)
+    # Target labels name what each row predicted: output token t was produced while reading tgt[t].
+    targets = _labels(translator, [*tgt[1:], translator.specials.eos])
     layers = [w[0].float().cpu() for w in recorder.weights_of("decoder.layers.*.cross_attn")]
-    return _labels(translator, src[0].tolist()), targets, layers
+    return _labels(translator, src), targets, layers
 
 
 def save_cross_attention_maps(translator: Translator, sentence: str, out_dir: Path, beam_size: int = 1) -> list[Path]:

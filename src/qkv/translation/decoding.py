@@ -8,15 +8,13 @@ re-runs the decoder over the whole prefix: slower, same output — the tests che
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 from torch import Tensor
 
 from qkv.attention import LayerCache, record_attention
 from qkv.attention.masks import padding_mask_from_ids
 from qkv.errors import QkvError
+from qkv.io.devices import cpu_threads
 from qkv.models import Transformer
 from qkv.translation.batching import Specials
 
@@ -24,6 +22,12 @@ from qkv.translation.batching import Specials
 def default_max_len(src: Tensor, model: Transformer) -> int:
     """Output tokens allowed: 1.5 × the longest source + 10, within the model's positions."""
     return min(int(src.shape[1] * 1.5) + 10, model.cfg.max_positions - 1)
+
+
+def check_penalties(length_penalty: float, coverage_penalty: float) -> None:
+    """Refuse negative GNMT penalties (α, β), naming both."""
+    if length_penalty < 0 or coverage_penalty < 0:
+        raise QkvError(f"length and coverage penalties must be ≥ 0, got {length_penalty} and {coverage_penalty}")
 
 
 def gnmt_length_penalty(length: Tensor, alpha: float) -> Tensor:
@@ -41,22 +45,6 @@ def gnmt_coverage_penalty(coverage: Tensor, src_pad: Tensor, beta: float) -> Ten
     # The floor keeps an unattended token's log finite (softmax weights can underflow to 0 in float32).
     used = coverage.float().clamp(min=1e-6, max=1.0).masked_fill(src_pad, 1.0)
     return beta * used.log().sum(-1)
-
-
-@contextlib.contextmanager
-def one_cpu_thread() -> Iterator[None]:
-    """One intra-op thread on CPU while decoding (or training a toy model).
-
-    A decoding step multiplies tiny matrices (B × d_model); splitting those across threads costs more in
-    synchronisation than it saves: measured 2.4 s (one thread) against 11 s (two) for 64 sentences on a
-    busy 2-core machine. (The setting only concerns CPU kernels; on a GPU it changes nothing.)
-    """
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 class _Stepper:
@@ -103,7 +91,7 @@ def _strip(tokens: Tensor, sp: Specials) -> list[list[int]]:
 
 
 @torch.no_grad()
-@one_cpu_thread()
+@cpu_threads(1)  # a step multiplies tiny matrices (B × d_model): a second thread only waits (io.devices)
 def greedy_decode(
     model: Transformer, src: Tensor, sp: Specials, max_len: int | None = None, use_cache: bool = True
 ) -> list[list[int]]:
@@ -124,7 +112,7 @@ def greedy_decode(
 
 
 @torch.no_grad()
-@one_cpu_thread()
+@cpu_threads(1)  # a step multiplies tiny matrices (B × d_model): a second thread only waits (io.devices)
 def beam_search(
     model: Transformer,
     src: Tensor,

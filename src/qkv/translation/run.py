@@ -11,7 +11,7 @@ from qkv.models import Transformer
 from qkv.tokenizers import Tokenizer
 from qkv.tokenizers.bpe import ByteBPETokenizer
 from qkv.translation.batching import Specials, source_tensor
-from qkv.translation.decoding import beam_search, greedy_decode
+from qkv.translation.decoding import beam_search, check_penalties, greedy_decode
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2: trained first, so they come first
 
@@ -44,9 +44,7 @@ class Translator:
 
     def __post_init__(self) -> None:
         """Refuse negative penalties by name."""
-        if self.length_penalty < 0 or self.coverage_penalty < 0:
-            raise QkvError(f"length and coverage penalties must be ≥ 0, got {self.length_penalty} and "
-                           f"{self.coverage_penalty}")  # fmt: skip
+        check_penalties(self.length_penalty, self.coverage_penalty)
 
     @property
     def device(self) -> torch.device:
