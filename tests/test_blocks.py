@@ -20,10 +20,10 @@ from qkv.norms import LayerNorm
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "swiglu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu", "swiglu"])
 @pytest.mark.parametrize("bias", [True, False])
 def test_feed_forward_matches_formula(activation: str, bias: bool) -> None:
-    """W_2 · act(W_1 x + b_1) + b_2, with SwiGLU as W_2 (silu(W_g x) ⊙ W_1 x)."""
+    """W_2 · act(W_1 x + b_1) + b_2 (SiLU: act(h) = h · σ(h)), with SwiGLU as W_2 (silu(W_g x) ⊙ W_1 x)."""
     ffn = FeedForward(6, 10, activation=activation, bias=bias)
     with torch.no_grad():
         for p in ffn.parameters():
@@ -40,6 +40,8 @@ def test_feed_forward_matches_formula(activation: str, bias: bool) -> None:
         h = 0.5 * h * (1 + torch.erf(h / 2**0.5))
     elif activation == "gelu_tanh":
         h = 0.5 * h * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (h + 0.044715 * h**3)))
+    elif activation == "silu":
+        h = h / (1 + torch.exp(-h))
     else:
         assert ffn.gate is not None
         g = x @ ffn.gate.weight.T + (ffn.gate.bias if bias else 0.0)
@@ -309,6 +311,21 @@ def test_block_config_validation() -> None:
         BlockConfig(d_ff=0)
 
 
+def test_silu_known_values_and_config() -> None:
+    """silu(x) = x · σ(x) at known points; a plain (ungated) choice with the 4 · d_model default width."""
+    ffn = FeedForward(1, 1, activation="silu", bias=False)
+    assert ffn.gate is None
+    with torch.no_grad():
+        ffn.up.weight.fill_(1.0)
+        ffn.down.weight.fill_(1.0)
+    f64 = torch.float64
+    x = torch.tensor([[0.0], [1.0], [-1.0], [20.0]], dtype=f64)
+    expected = torch.tensor([[0.0], [0.7310585786300049], [-0.2689414213699951], [19.999999958776925]], dtype=f64)
+    assert (ffn.double()(x) - expected).abs().max().item() <= 1e-12
+    assert BlockConfig(d_model=16, n_heads=4, activation="silu").d_ff == 64
+    assert EncoderLayer(BlockConfig(d_model=16, n_heads=4, activation="silu")).ffn.activation == "silu"
+
+
 def test_swiglu_block_runs_and_differs_from_relu() -> None:
     """A SwiGLU / RMSNorm block is a working configuration end to end."""
     cfg = BlockConfig(d_model=16, n_heads=4, n_kv_heads=2, activation="swiglu", norm="rms", norm_placement="pre")
@@ -318,3 +335,13 @@ def test_swiglu_block_runs_and_differs_from_relu() -> None:
     out = layer(x)
     assert out.shape == x.shape and torch.isfinite(out).all()
     assert F.mse_loss(out, x).item() > 0
+
+
+@pytest.mark.slow
+def test_dropout_compiles_as_a_whole_graph() -> None:
+    """Under torch.compile(fullgraph=True) dropout is the compiler's: zeros at rate p, the rest scaled by 1/(1−p)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: dropout(x, 0.25, training=True), fullgraph=True)
+    out = compiled(torch.ones(200_000))
+    assert (out == 0).float().mean().item() == pytest.approx(0.25, abs=0.01)
+    assert out.unique().tolist() == [0.0, pytest.approx(1 / 0.75)]

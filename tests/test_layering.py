@@ -13,7 +13,7 @@ import qkv
 
 SRC = Path(qkv.__file__).resolve().parent
 ROOT = SRC.parents[1]
-BLOCKED = ("sacrebleu", "transformers", "gguf", "selenium", "hypothesis", "pytest", "mkdocs", "nbmake")
+BLOCKED = ("sacrebleu", "sentencepiece", "transformers", "gguf", "selenium", "hypothesis", "pytest", "mkdocs", "nbmake")
 
 
 def _python(code: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
@@ -47,8 +47,8 @@ def test_starting_the_command_imports_no_torch() -> None:
 
 
 def test_the_command_needs_no_optional_package(tmp_path: Path) -> None:
-    """With sacrebleu, transformers, gguf, selenium and the dev tools unimportable: `qkv --help` and `qkv train`
-    work, and a feature that needs an extra says which, in one line."""
+    """With sacrebleu, sentencepiece, transformers, gguf, selenium and the dev tools unimportable: `qkv --help` and
+    `qkv train` work, and a feature that needs an extra says which, in one line."""
     text = tmp_path / "text.txt"
     text.write_text(_excerpt(), encoding="utf-8")
     code = f"""

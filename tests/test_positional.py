@@ -66,6 +66,41 @@ def test_sinusoidal_module_slices_the_table() -> None:
         sinusoidal_table(4, 7)
 
 
+def test_sinusoidal_halves_layout_known_values() -> None:
+    """layout="halves" (Marian): PE(pos, i) = sin(pos / 10000^(2i/d)) and PE(pos, d/2 + i) the cosine, for i < d/2."""
+    d, half = 8, 4
+    table = sinusoidal_table(50, d, layout="halves")
+    for pos in (0, 1, 7, 49):
+        for i in range(half):
+            angle = pos / 10000 ** (2 * i / d)
+            assert table[pos, i].item() == pytest.approx(math.sin(angle), abs=1e-7)
+            assert table[pos, half + i].item() == pytest.approx(math.cos(angle), abs=1e-7)
+    assert torch.equal(table[0], torch.tensor([0.0] * 4 + [1.0] * 4))
+    assert table[1, 0].item() == pytest.approx(0.8414709848, abs=1e-7)  # sin(1)
+    assert table[1, 4].item() == pytest.approx(0.5403023059, abs=1e-7)  # cos(1)
+    # The same numbers as the paper's interleaved table, its dims reordered: [0, 2, 4, 6 | 1, 3, 5, 7].
+    interleaved = sinusoidal_table(50, d)
+    assert torch.equal(table, interleaved[:, [0, 2, 4, 6, 1, 3, 5, 7]])
+    assert torch.equal(SinusoidalPositionalEncoding(d, 50, layout="halves")(3, start=2), table[2:5])
+    with pytest.raises(QkvError, match=r"unknown sinusoid layout 'sideways'"):
+        sinusoidal_table(4, 8, layout="sideways")  # type: ignore[arg-type]
+
+
+def test_sinusoid_layout_is_a_validated_config_choice() -> None:
+    """The paper's interleaving is the default; "halves" reaches the embeddings; nonsense is refused by name."""
+    from qkv import DecoderLMConfig, Transformer, TransformerConfig
+
+    base = dict(src_vocab_size=11, tgt_vocab_size=11, d_model=8, n_heads=2, n_encoder_layers=1, n_decoder_layers=1)
+    assert TransformerConfig(**base).sinusoid_layout == "interleaved"  # type: ignore[arg-type]
+    model = Transformer(TransformerConfig(**base, sinusoid_layout="halves"))  # type: ignore[arg-type]
+    assert model.src_embed.positions is not None
+    assert torch.equal(model.tgt_embed.positions(5), sinusoidal_table(5, 8, layout="halves"))
+    with pytest.raises(QkvError, match=r"unknown sinusoid_layout 'sideways'; choose one of: interleaved, halves"):
+        TransformerConfig(**base, sinusoid_layout="sideways")  # type: ignore[arg-type]
+    with pytest.raises(QkvError, match=r"sinusoid_layout='halves' needs positions='sinusoidal'"):
+        DecoderLMConfig(vocab_size=11, d_model=8, n_heads=2, sinusoid_layout="halves")
+
+
 def test_learned_positions() -> None:
     """One trainable vector per position, sliced by start."""
     emb = LearnedPositionalEmbedding(6, 12)

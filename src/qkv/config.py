@@ -12,16 +12,18 @@ from typing import Any, Literal, TypeVar
 
 from qkv.errors import QkvError
 
-Activation = Literal["relu", "gelu", "gelu_tanh", "swiglu"]
+Activation = Literal["relu", "gelu", "gelu_tanh", "swiglu", "silu"]
 NormPlacement = Literal["pre", "post"]
 Positions = Literal["sinusoidal", "learned", "rotary", "none"]
+SinusoidLayout = Literal["interleaved", "halves"]
 
 _CHOICES: dict[str, tuple[str, ...]] = {
-    "activation": ("relu", "gelu", "gelu_tanh", "swiglu"),
+    "activation": ("relu", "gelu", "gelu_tanh", "swiglu", "silu"),
     "attention": ("mha", "mla"),
     "norm": ("layer", "rms", "batch"),
     "norm_placement": ("pre", "post"),
     "positions": ("sinusoidal", "learned", "rotary", "none"),
+    "sinusoid_layout": ("interleaved", "halves"),
 }
 
 C = TypeVar("C", bound="BlockConfig")
@@ -34,7 +36,7 @@ class BlockConfig:
     d_model: int = 512
     n_heads: int = 8
     n_kv_heads: int | None = None  # None = n_heads (multi-head); 1 = multi-query; else grouped-query
-    d_ff: int | None = None  # None = 4 · d_model (ReLU/GELU) or ⌈8/3 · d_model⌉₈ (SwiGLU)
+    d_ff: int | None = None  # None = 4 · d_model (ReLU/GELU/SiLU) or ⌈8/3 · d_model⌉₈ (SwiGLU)
     dropout: float = 0.1
     # On the attention weights. None = `dropout` (Tensor2Tensor, HF); the paper drops only sub-layer outputs and
     # embeddings, and 0 lets PyTorch's fused attention kernel run while training on a CPU.
@@ -120,6 +122,8 @@ class ModelConfig(BlockConfig):
     vocab_size: int
     n_layers: int = 6
     positions: Positions = "learned"
+    # Where the sinusoids' cosines go: interleaved with the sines (the paper), or in the second half (Marian, fairseq).
+    sinusoid_layout: SinusoidLayout = "interleaved"
     max_positions: int = 1024
     rope_base: float = 10000.0
     tie_embeddings: bool = True
@@ -135,6 +139,7 @@ class ModelConfig(BlockConfig):
         _check_position_offset(self)
         if self.positions == "sinusoidal" and self.d_model % 2:
             raise QkvError(f"sinusoidal positions need an even d_model, got {self.d_model}")
+        _check_sinusoid_layout(self)
         if self.positions == "rotary" and self.d_head % 2:
             raise QkvError(f"rotary positions need an even head dim, got d_model/n_heads={self.d_head}")
         _check_latent_positions(self)
@@ -182,6 +187,7 @@ class TransformerConfig(BlockConfig):
     n_encoder_layers: int = 6
     n_decoder_layers: int = 6
     positions: Positions = "sinusoidal"
+    sinusoid_layout: SinusoidLayout = "interleaved"  # "halves": [sin | cos], as Marian (OPUS-MT) lays them out
     max_positions: int = 1024
     rope_base: float = 10000.0
     share_embeddings: bool = False  # one embedding matrix for source and target (shared vocabulary)
@@ -205,6 +211,7 @@ class TransformerConfig(BlockConfig):
             )
         if self.positions == "sinusoidal" and self.d_model % 2:
             raise QkvError(f"sinusoidal positions need an even d_model, got {self.d_model}")
+        _check_sinusoid_layout(self)
         _check_position_offset(self)
         _check_latent_positions(self)
         if self.final_norm is None:
@@ -244,6 +251,7 @@ class TransformerConfig(BlockConfig):
             **{f.name: getattr(self, f.name) for f in dataclasses.fields(BlockConfig)},
             vocab_size=vocab_size,
             positions=self.positions,
+            sinusoid_layout=self.sinusoid_layout,
             max_positions=self.max_positions,
             rope_base=self.rope_base,
             scale_embeddings=self.scale_embeddings,
@@ -256,6 +264,12 @@ def _check_position_offset(cfg: ModelConfig | TransformerConfig) -> None:
     """A position offset only shifts a learned table, and cannot be negative."""
     if cfg.position_offset < 0 or (cfg.position_offset and cfg.positions != "learned"):
         raise QkvError(f"position_offset={cfg.position_offset} must be ≥ 0 and needs learned positions")
+
+
+def _check_sinusoid_layout(cfg: ModelConfig | TransformerConfig) -> None:
+    """A layout other than the paper's only means something for sinusoidal positions (one spelling per config)."""
+    if cfg.sinusoid_layout != "interleaved" and cfg.positions != "sinusoidal":
+        raise QkvError(f"sinusoid_layout={cfg.sinusoid_layout!r} needs positions='sinusoidal', got {cfg.positions!r}")
 
 
 def _check_latent_positions(cfg: ModelConfig | TransformerConfig) -> None:

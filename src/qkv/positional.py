@@ -4,7 +4,8 @@ Three ways, all in this room:
 - sinusoidal (the paper): PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)),
   added to the token embeddings. For every offset k, PE(pos + k) is a fixed rotation of PE(pos)
   (one 2×2 rotation per sin/cos pair), which is why the paper hoped it would let attention
-  reason about relative positions.
+  reason about relative positions. Marian (OPUS-MT) and fairseq put all the sines first and all the
+  cosines after them ([sin | cos], layout="halves"): the same numbers in another order of dimensions.
 - learned absolute positions (GPT-2, BERT): one trainable vector per position.
 - rotary (RoPE, Su et al.): no addition at all; q and k are rotated pair-wise by an angle
   proportional to their position, so q·k depends only on the relative offset.
@@ -13,6 +14,7 @@ Three ways, all in this room:
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -20,14 +22,18 @@ from torch import Tensor, nn
 from qkv.errors import QkvError
 
 
-def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
-    """(max_len, d_model) table of the paper's sinusoidal encodings (float32)."""
+def sinusoidal_table(max_len: int, d_model: int, layout: Literal["interleaved", "halves"] = "interleaved") -> Tensor:
+    """(max_len, d_model) table of the paper's sinusoidal encodings (float32), sin/cos interleaved or in halves."""
     if d_model % 2 != 0:
         raise QkvError(f"sinusoidal positions need an even d_model, got {d_model}")
+    if layout not in ("interleaved", "halves"):
+        raise QkvError(f"unknown sinusoid layout {layout!r}; choose one of: interleaved, halves")
     position = torch.arange(max_len, dtype=torch.float64)[:, None]  # (L, 1)
     # 10000^(-2i/d) for i = 0 .. d/2 − 1, computed in float64 so large positions stay exact.
     inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
     angles = position * inv_freq  # (L, d/2)
+    if layout == "halves":  # PE(pos, i) = sin, PE(pos, d/2 + i) = cos of the same angle
+        return torch.cat([torch.sin(angles), torch.cos(angles)], dim=1).float()
     table = torch.empty(max_len, d_model, dtype=torch.float64)
     table[:, 0::2] = torch.sin(angles)
     table[:, 1::2] = torch.cos(angles)
@@ -48,11 +54,11 @@ class SinusoidalPositionalEncoding(nn.Module):
 
     table: Tensor
 
-    def __init__(self, d_model: int, max_len: int) -> None:
+    def __init__(self, d_model: int, max_len: int, layout: Literal["interleaved", "halves"] = "interleaved") -> None:
         super().__init__()
         self.max_len = max_len
         # Not persistent: it is a pure function of the config, so checkpoints need not carry it.
-        self.register_buffer("table", sinusoidal_table(max_len, d_model), persistent=False)
+        self.register_buffer("table", sinusoidal_table(max_len, d_model, layout), persistent=False)
 
     def forward(self, length: int, start: int = 0) -> Tensor:
         """(length, d_model) encodings of positions start .. start + length − 1."""

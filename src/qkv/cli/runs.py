@@ -1,4 +1,9 @@
-"""The commands that use a trained run: `qkv generate`, `qkv eval` and `qkv translate`."""
+"""The commands that use a trained run: `qkv generate`, `qkv eval` and `qkv translate` (which also reads MarianMT).
+
+`qkv translate` takes a run of `qkv train translate` or a Hugging Face MarianMT (OPUS-MT) directory, which it
+decodes as transformers would: its SentencePiece tokenizer, generation_config.json's beams, length penalty and
+maximum length, and transformers' beam scoring (--beam-scoring hf).
+"""
 
 from __future__ import annotations
 
@@ -6,10 +11,15 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qkv.errors import QkvError
 from qkv.io import DTYPES
+
+if TYPE_CHECKING:
+    from qkv.translation.run import Translator
+
+BEAM_SCORINGS = ("gnmt", "hf")  # qkv.translation.run's, spelled here so that building the parser imports no torch
 
 
 def register(sub: Any) -> None:
@@ -37,12 +47,12 @@ def register(sub: Any) -> None:
     _penalty_options(p)
     _run_options(p)
 
-    p = sub.add_parser("translate", help="translate sentences with a run of `qkv train translate`")
+    p = sub.add_parser("translate", help="translate sentences with a run of `qkv train translate` or a MarianMT model")
     p.set_defaults(handler=cmd_translate)
-    p.add_argument("run_dir", help="a run directory written by `qkv train translate`")
+    p.add_argument("run_dir", help="a run of `qkv train translate`, or a MarianMT (OPUS-MT) directory")
     p.add_argument("sentence", nargs="?", help="a sentence to translate (or use --input)")
     p.add_argument("--input", help="a file with one sentence per line, or '-' for stdin")
-    p.add_argument("--beam", type=int, default=4, help="beam size (1 = greedy; default 4)")
+    p.add_argument("--beam", type=int, help="beam size (1 = greedy; default 4, or a MarianMT model's num_beams)")
     _penalty_options(p)
     p.add_argument("--attention-maps", metavar="OUTDIR", help="write one cross-attention PNG per layer here")
     _run_options(p)
@@ -55,10 +65,15 @@ def _run_options(p: argparse.ArgumentParser) -> None:
 
 
 def _penalty_options(p: argparse.ArgumentParser) -> None:
-    """Beam search's α and β, shared by `qkv translate` and `qkv eval`."""
-    p.add_argument("--length-penalty", type=float, metavar="ALPHA", help="beam: GNMT's α (default: the run's, 0.6)")
+    """Beam search's scoring, α and β, shared by `qkv translate` and `qkv eval`."""
+    p.add_argument("--beam-scoring", choices=BEAM_SCORINGS,
+                   help="beam: gnmt (log P / lp(α) + cp(β); qkv runs' default) or hf (transformers': log P / "
+                        "length^α of finished hypotheses; MarianMT's default)")  # fmt: skip
+    p.add_argument("--length-penalty", type=float, metavar="ALPHA",
+                   help="beam: GNMT's α (default: the run's, 1.0), or with hf scoring transformers' exponent "
+                        "(default: the model's, else 1.0)")  # fmt: skip
     p.add_argument("--coverage-penalty", type=float, metavar="BETA",
-                   help="beam: GNMT's β, the cost of unattended source tokens (default: the run's, 0.2)")  # fmt: skip
+                   help="beam: GNMT's β, the cost of unattended source tokens (default: the run's, 0)")  # fmt: skip
 
 
 def _load(args: argparse.Namespace, expect: str | None = None, stored: dict[str, Any] | None = None) -> Any:
@@ -145,7 +160,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from qkv.io.run_dir import read_run_config
     from qkv.tasks.base import EvalOptions
 
-    options = EvalOptions(args.batch_size, args.beam, args.length_penalty, args.coverage_penalty)
+    options = EvalOptions(args.batch_size, args.beam, args.length_penalty, args.coverage_penalty, args.beam_scoring)
     stored = read_run_config(Path(args.run_dir))
     if stored["task"] != "translate":
         options.refuse_beam_options(stored["task"])  # before a model is built from the run
@@ -173,17 +188,55 @@ def _sentences(args: argparse.Namespace) -> list[str]:
     return sentences
 
 
+def _is_marian(directory: Path) -> bool:
+    """Whether a directory is a Hugging Face MarianMT checkpoint (config.json's model_type)."""
+    from qkv.io.files import load_json
+
+    config = directory / "config.json"
+    return config.is_file() and load_json(config).get("model_type") == "marian"
+
+
+def _marian_translator(args: argparse.Namespace) -> tuple[Translator, int]:
+    """A MarianMT directory as a translator decoding as transformers does, and its default beam size."""
+    from qkv.interop import from_hf, read_marian_tokenizer
+    from qkv.interop.marian import generation_settings
+    from qkv.io.devices import resolve_device
+    from qkv.models import Transformer
+    from qkv.translation.batching import Specials
+    from qkv.translation.run import Translator
+
+    directory = Path(args.run_dir)
+    tokenizer = read_marian_tokenizer(directory)
+    if tokenizer is None:
+        raise QkvError(f"{directory} has no Marian tokenizer (source.spm, target.spm and vocab.json)")
+    gen = generation_settings(directory)
+    model = from_hf(directory).to(resolve_device(args.device))
+    assert isinstance(model, Transformer)
+    max_len = min(gen.max_length, model.cfg.max_positions) - 1  # transformers' max_length counts the start token
+    lp = gen.length_penalty if args.length_penalty is None else args.length_penalty
+    translator = Translator(model, tokenizer, Specials(pad=gen.pad, bos=gen.start, eos=gen.eos), lp, 0.0, "hf",
+                            gen.early_stopping, max_len, gen.forced_eos)  # fmt: skip
+    return translator, gen.num_beams
+
+
 def cmd_translate(args: argparse.Namespace) -> int:
     """Print one translation per input sentence; optionally write cross-attention maps."""
-    if args.beam < 1:
+    from qkv.translation.run import rescored
+
+    if args.beam is not None and args.beam < 1:
         raise QkvError(f"--beam must be ≥ 1, got {args.beam}")
     sentences = _sentences(args)
-    translator = _load(args, expect="translate").translator(args.length_penalty, args.coverage_penalty)
-    for line in translator.translate(sentences, args.beam):
+    if _is_marian(Path(args.run_dir)):
+        translator, beam = _marian_translator(args)
+    else:
+        translator, beam = _load(args, expect="translate").translator(args.length_penalty, args.coverage_penalty), 4
+    translator = rescored(translator, args.beam_scoring, args.length_penalty, args.coverage_penalty)
+    beam = beam if args.beam is None else args.beam
+    for line in translator.translate(sentences, beam):
         print(line)
     if args.attention_maps:
         from qkv.translation.attention_maps import save_cross_attention_maps
 
-        paths = save_cross_attention_maps(translator, sentences[0], Path(args.attention_maps), args.beam)
+        paths = save_cross_attention_maps(translator, sentences[0], Path(args.attention_maps), beam)
         print(f"cross-attention maps: {', '.join(str(p) for p in paths)}", file=sys.stderr)
     return 0

@@ -1,7 +1,7 @@
 """Real checkpoints: Hugging Face models (and GGUF files) in, qkv models built from qkv's own blocks out.
 
     model = qkv.from_hf("path/to/hf-model")     # a directory with config.json + safetensors, or a .gguf
-    qkv.save_hf(model, "out/")                  # GPT-2- and Llama-shaped DecoderLMs, for transformers
+    qkv.save_hf(model, "out/")                  # GPT-2- and Llama-shaped DecoderLMs, Marian-shaped Transformers
 
 Nothing here imports transformers: config.json is plain JSON, weights come from safetensors (pickle
 is refused), and each family module maps the HF names and layouts onto qkv's. FAMILIES is keyed by
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from qkv.errors import QkvError
-from qkv.interop import bart, bert, deepseek, gpt2, llama
+from qkv.interop import bart, bert, deepseek, gpt2, llama, marian
 from qkv.interop.hf_io import (
     Checkpoint,
     Family,
@@ -24,8 +24,9 @@ from qkv.interop.hf_io import (
     write_checkpoint,
     write_tokenizer,
 )
-from qkv.io.files import load_json
-from qkv.models import DecoderLM, QkvModel, build_model
+from qkv.interop.marian_tokenizer import MarianTokenizer, is_marian_tokenizer_dir
+from qkv.io.files import atomic_write_json, load_json
+from qkv.models import DecoderLM, QkvModel, Transformer, build_model, model_type_of
 from qkv.tokenizers import ByteBPETokenizer
 
 FAMILIES: dict[str, Family] = {}  # config.json model_type → family
@@ -37,7 +38,7 @@ def register_family(family: Family) -> None:
         FAMILIES[model_type] = family
 
 
-_BUILTIN = (gpt2.FAMILY, llama.FAMILY, bert.FAMILY, bart.FAMILY, deepseek.FAMILY)
+_BUILTIN = (gpt2.FAMILY, llama.FAMILY, bert.FAMILY, bart.FAMILY, deepseek.FAMILY, marian.FAMILY)
 for _family in _BUILTIN:
     register_family(_family)
 
@@ -90,41 +91,59 @@ def tokenizer_from_hf(source: str | Path | Checkpoint) -> ByteBPETokenizer | Non
     return ByteBPETokenizer(tok, eos) if eos else ByteBPETokenizer(tok)
 
 
-def export_family(model: DecoderLM) -> Family:
-    """The family a DecoderLM can be written as, or a QkvError saying what keeps it from each."""
+def read_marian_tokenizer(directory: str | Path) -> MarianTokenizer | None:
+    """The Marian tokenizer (source.spm, target.spm, vocab.json) of a directory, or None where it has none."""
+    return MarianTokenizer(directory) if is_marian_tokenizer_dir(directory) else None
+
+
+def export_family(model: DecoderLM | Transformer) -> Family:
+    """The family a DecoderLM or Transformer can be written as, or a QkvError saying what keeps it from each."""
     reasons = []
+    model_type = model_type_of(model)
     for family in dict.fromkeys(FAMILIES.values()):  # each family once, in registration order
-        if family.config_to_hf is None or family.export_problems is None:
+        if family.config_to_hf is None or family.export_problems is None or family.exports != model_type:
             continue
         problems = family.export_problems(model.cfg)
         if not problems:
             return family
         reasons.append(f"not {family.name}: {', '.join(problems)}")
-    raise QkvError(f"this DecoderLM has no Hugging Face equivalent ({'; '.join(reasons)})")
+    raise QkvError(f"this {type(model).__name__} has no Hugging Face equivalent ({'; '.join(reasons)})")
 
 
 def save_hf(
-    model: DecoderLM,
+    model: DecoderLM | Transformer,
     directory: str | Path,
-    tokenizer: ByteBPETokenizer | None = None,
+    tokenizer: ByteBPETokenizer | MarianTokenizer | None = None,
     token_ids: dict[str, int | None] | None = None,
+    generation: dict[str, Any] | None = None,
 ) -> Path:
     """Write config.json + model.safetensors (+ the tokenizer) that transformers' from_pretrained loads.
 
-    token_ids: bos_token_id / eos_token_id / pad_token_id for config.json; a qkv model does not know
-    them, so they default to None, except eos, which the tokenizer names when one is given.
+    token_ids: bos_token_id / eos_token_id / pad_token_id (and a Transformer's decoder_start_token_id and
+    forced_eos_token_id) for config.json; a qkv model does not know them, so they default to None, except
+    eos, which the tokenizer names when one is given, and a Transformer's pad and decoder start, its pad_id.
+    generation: a Transformer's generation_config.json (default: OPUS-MT's settings).
     """
-    if not isinstance(model, DecoderLM):
-        raise QkvError(f"save_hf writes decoder-only LMs (GPT-2 and Llama families), not a {type(model).__name__}")
+    if not isinstance(model, (DecoderLM, Transformer)):
+        raise QkvError(f"save_hf writes decoder-only LMs and encoder–decoders, not a {type(model).__name__}")
     family = export_family(model)
     assert family.config_to_hf is not None
     config = family.config_to_hf(model.cfg)
     config["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     eos = tokenizer.eos_id if tokenizer is not None else None
-    config |= {"bos_token_id": None, "eos_token_id": eos, "pad_token_id": None, **(token_ids or {})}
+    if isinstance(model, Transformer):
+        ids = marian.token_ids(model.cfg, token_ids or {}, eos)
+        generation = generation or marian.generation_config(ids, model.cfg.max_positions)
+        config |= ids
+    else:
+        config |= {"bos_token_id": None, "eos_token_id": eos, "pad_token_id": None, **(token_ids or {})}
     tensors = export_mapped(model, family.name_map(model.cfg))
     directory = write_checkpoint(directory, config, tensors)
-    if tokenizer is not None:
+    if generation is not None:
+        atomic_write_json(directory / marian.GENERATION_FILE, generation)
+    if isinstance(tokenizer, MarianTokenizer):
+        tokenizer.save(directory)
+    elif tokenizer is not None:
         write_tokenizer(directory, tokenizer)
     return directory
 
@@ -137,6 +156,7 @@ __all__ = [
     "family_of",
     "from_hf",
     "read_checkpoint",
+    "read_marian_tokenizer",
     "register_family",
     "save_hf",
     "tokenizer_from_hf",

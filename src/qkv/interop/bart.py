@@ -68,17 +68,14 @@ def _attention(qkv: str, hf: str) -> NameMap:
     return refs
 
 
-def name_map(cfg: TransformerConfig) -> NameMap:
-    """Where each Transformer tensor lives in a BartForConditionalGeneration checkpoint."""
+def seq2seq_name_map(cfg: TransformerConfig) -> NameMap:
+    """The tensors BART and Marian name alike: the shared embedding, the output layer and every layer."""
     refs: NameMap = {
         "src_embed.tokens.weight": Ref("model.shared.weight"),
         "tgt_embed.tokens.weight": Ref("model.shared.weight"),
         "generator.weight": Ref("model.shared.weight" if cfg.tie_embeddings else "lm_head.weight"),
         "generator.bias": Ref("final_logits_bias", row=True, optional=True),  # transformers zero-fills it too
     }
-    for side, q_side in (("encoder", "src_embed"), ("decoder", "tgt_embed")):
-        refs[f"{q_side}.positions.weight"] = Ref(f"model.{side}.embed_positions.weight")
-        refs |= norm(f"{q_side}.norm", f"model.{side}.layernorm_embedding")
     for i in range(cfg.n_encoder_layers):
         q, h = f"encoder.layers.{i}", f"model.encoder.layers.{i}"
         refs |= _attention(f"{q}.self_attn", f"{h}.self_attn")
@@ -93,6 +90,15 @@ def name_map(cfg: TransformerConfig) -> NameMap:
         refs |= norm(f"{q}.cross_residual.norm", f"{h}.encoder_attn_layer_norm")
         refs |= linear(f"{q}.ffn.up", f"{h}.fc1") | linear(f"{q}.ffn.down", f"{h}.fc2")
         refs |= norm(f"{q}.ffn_residual.norm", f"{h}.final_layer_norm")
+    return refs
+
+
+def name_map(cfg: TransformerConfig) -> NameMap:
+    """Where each Transformer tensor lives in a BartForConditionalGeneration checkpoint."""
+    refs = seq2seq_name_map(cfg)
+    for side, q_side in (("encoder", "src_embed"), ("decoder", "tgt_embed")):
+        refs[f"{q_side}.positions.weight"] = Ref(f"model.{side}.embed_positions.weight")
+        refs |= norm(f"{q_side}.norm", f"model.{side}.layernorm_embedding")
     return refs
 
 

@@ -84,7 +84,7 @@ def export_problems(cfg: DecoderLMConfig) -> list[str]:
     problems = [f"{k}={getattr(cfg, k)!r} (needs {v!r})" for k, v in wanted.items() if getattr(cfg, k) != v]
     problems += plain_block_problems(cfg)
     if cfg.activation == "swiglu":
-        problems.append("activation='swiglu' (needs gelu_tanh, gelu or relu)")
+        problems.append("activation='swiglu' (needs gelu_tanh, gelu, relu or silu)")
     if cfg.n_kv_heads not in (None, cfg.n_heads):
         problems.append(f"n_kv_heads={cfg.n_kv_heads} (GPT-2 has one K/V head per query head)")
     for flag in ("scale_embeddings", "embedding_norm"):

@@ -97,6 +97,7 @@ class Family:
     ignored: tuple[str, ...] = ()  # regexes of checkpoint tensors that are not weights (buffers, tied copies)
     config_to_hf: Callable[[Any], dict[str, Any]] | None = None  # export: qkv config → config.json
     export_problems: Callable[[Any], list[str]] | None = None  # why a qkv config is not of this family
+    exports: str = "decoder_lm"  # the qkv model type (qkv.models.model_type_of) that config_to_hf takes
 
 
 @dataclass
@@ -128,6 +129,8 @@ _ACTIVATIONS: dict[str, Activation] = {
     "gelu_new": "gelu_tanh",
     "gelu_pytorch_tanh": "gelu_tanh",
     "relu": "relu",
+    "silu": "silu",
+    "swish": "silu",  # transformers' ACT2FN: the same function under Marian's name
 }
 
 
@@ -140,7 +143,7 @@ def activation_from_hf(name: str, family: str) -> Activation:
 
 def activation_to_hf(name: str) -> str:
     """The HF activation name for a qkv activation other than swiglu."""
-    return {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}[name]
+    return {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}[name]
 
 
 def plain_block_problems(cfg: DecoderLMConfig) -> list[str]:

@@ -40,6 +40,12 @@ def save_qkv(model: QkvModel, directory: str | Path, tokenizer: Tokenizer | None
     return directory
 
 
+def is_qkv_dir(path: str | Path) -> bool:
+    """Whether `path` is a directory that save_qkv (or a qkv training run) wrote, not a Hugging Face one."""
+    config = Path(path) / CONFIG_FILE
+    return config.is_file() and load_json(config).get("format") in (FORMAT, MODEL_FORMAT)
+
+
 def load_qkv(directory: str | Path) -> QkvModel:
     """A model written by save_qkv (or a qkv training run's best weights), in eval mode."""
     directory = Path(directory)

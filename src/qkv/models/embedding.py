@@ -35,7 +35,7 @@ class Embeddings(nn.Module):
             # BART's table has `position_offset` extra rows in front that no position uses.
             self.positions = LearnedPositionalEmbedding(cfg.d_model, cfg.max_positions + cfg.position_offset)
         elif cfg.positions == "sinusoidal":
-            self.positions = SinusoidalPositionalEncoding(cfg.d_model, cfg.max_positions)
+            self.positions = SinusoidalPositionalEncoding(cfg.d_model, cfg.max_positions, cfg.sinusoid_layout)
         elif cfg.positions == "rotary":
             self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.max_positions, base=cfg.rope_base)
         self.token_types: nn.Embedding | None = None

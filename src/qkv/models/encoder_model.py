@@ -48,6 +48,8 @@ class MaskedLMHead(nn.Module):
             h = F.relu(h)
         elif self.activation == "gelu_tanh":
             h = F.gelu(h, approximate="tanh")
+        elif self.activation == "silu":
+            h = F.silu(h)
         else:  # gelu, and SwiGLU's case: one input, so its gate nonlinearity would need a second matrix
             h = F.gelu(h)
         return self.output(self.norm(h))

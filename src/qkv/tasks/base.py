@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import torch
 
@@ -24,19 +24,22 @@ class EvalOptions:
     beam: int = 4
     length_penalty: float | None = None
     coverage_penalty: float | None = None
+    beam_scoring: Literal["gnmt", "hf"] | None = None  # qkv.translation.run.Translator's; None = the run's
 
     def __post_init__(self) -> None:
-        """Refuse sizes below 1 by name."""
+        """Refuse sizes below 1 and unknown scorings by name."""
         if self.batch_size < 1:
             raise QkvError(f"batch size must be at least 1, got {self.batch_size}")
         if self.beam < 1:
             raise QkvError(f"--beam must be ≥ 1, got {self.beam}")
+        if self.beam_scoring not in (None, "gnmt", "hf"):
+            raise QkvError(f"unknown beam scoring {self.beam_scoring!r}; choose one of: gnmt, hf")
 
     def refuse_beam_options(self, task: str) -> None:
         """A one-line error when beam-search options are given for a task that does not decode with a beam."""
-        if self.length_penalty is not None or self.coverage_penalty is not None:
-            raise QkvError(f"--length-penalty and --coverage-penalty are for translation runs (beam search), "
-                           f"not {task} runs")  # fmt: skip
+        if self.length_penalty is not None or self.coverage_penalty is not None or self.beam_scoring is not None:
+            raise QkvError(f"--length-penalty, --coverage-penalty and --beam-scoring are for translation runs (beam "
+                           f"search), not {task} runs")  # fmt: skip
 
 
 R = TypeVar("R", bound="LoadedRun")

@@ -1,6 +1,7 @@
 """The translation task (`qkv train translate`): the encoder–decoder Transformer of the paper, German → English.
 
-Data: the Ding dictionary's example sentences (embedded), or a TSV file of source<TAB>target pairs;
+Data: an embedded corpus (the Ding dictionary's example sentences, or the Bible's verses), or a TSV file of
+source<TAB>target pairs;
 one byte-level BPE vocabulary for both sides, trained on the training split. Batches are buckets of
 pairs of similar length holding about batch_size tokens per side; the loss is label-smoothed
 cross-entropy per target token (padding excluded); the evaluation is the validation loss and the
@@ -26,11 +27,15 @@ from qkv.tokenizers import load_tokenizer
 from qkv.training import Evaluation, RunConfig, Task, TrainResult, option
 from qkv.training.config import absolute, positive_int
 from qkv.translation.batching import Seq2SeqBatch, Specials, batches_of, encode_pairs, length_buckets, make_batch
+from qkv.translation.bible import split_bible
 from qkv.translation.corpus import Splits, split_de_en, split_pairs_file
-from qkv.translation.decoding import check_penalties, greedy_decode
+from qkv.translation.decoding import COVERAGE_PENALTY, LENGTH_PENALTY, check_penalties, greedy_decode
 from qkv.translation.metrics import corpus_bleu, corpus_chrf
-from qkv.translation.run import Translator, specials_of, train_tokenizer
+from qkv.translation.run import Translator, rescored, specials_of, train_tokenizer
 from qkv.translation.step import batch_loss, evaluate_batches
+
+DEFAULT_VOCAB = 4000
+CORPORA = ("ding", "bible")  # the embedded German–English corpora (qkv/data/DE_EN.md, BIBLE.md)
 
 # Sized for a 2-core CPU and a ≈ 12-minute budget: 2 + 2 layers × 128 wide, 1.44 M parameters with the shared
 # 4,000-token vocabulary (the README's translation section has the measurements behind each choice).
@@ -55,9 +60,15 @@ class TranslateConfig(RunConfig):
     default_model: ClassVar[dict[str, Any]] = DEFAULT_MODEL
 
     model: dict[str, Any] = option(factory=dict, help="TransformerConfig fields over the recipe's", fixed=True)
-    data: str | None = option(None, "a UTF-8 file of source<TAB>target pairs (none: the Ding sentences)",
+    corpus: str = option("ding", "the embedded corpus: the Ding sentences or the Bible's verses", fixed=True,
+                         choices=CORPORA)  # fmt: skip
+    data: str | None = option(None, "a UTF-8 file of source<TAB>target pairs (none: the embedded --corpus)",
                               fixed=True)  # fmt: skip
-    vocab_size: int = option(4000, "the shared byte-level BPE vocabulary's size", fixed=True)
+    src_lang: str = option("de", "the source language's label, for display")
+    tgt_lang: str = option("en", "the target language's label, for display")
+    init_from: str | None = option(None, "start from this translation run's weights, model and tokenizer (none: "
+                                   "from scratch)", fixed=True)  # fmt: skip
+    vocab_size: int = option(DEFAULT_VOCAB, "the shared byte-level BPE vocabulary's size", fixed=True)
     batch_size: int = option(1500, "padded tokens per side, per micro-batch and process", fixed=True)
     max_steps: int = option(4400, "optimiser steps (the schedule's length)")
     max_time: float | None = option(840.0, "stop after this many seconds, evaluations included (none: no limit)")
@@ -67,8 +78,9 @@ class TranslateConfig(RunConfig):
     label_smoothing: float = option(0.1, "label smoothing ε (the paper's)")
     eval_interval: int = option(1100, "steps between evaluations (each decodes the validation pairs)")
     beam_size: int = option(4, "beam size of `qkv translate` and `qkv eval` (1 = greedy)")
-    length_penalty: float = option(0.6, "beam search: GNMT's length penalty α")
-    coverage_penalty: float = option(0.2, "beam search: GNMT's coverage penalty β (unattended source tokens)")
+    length_penalty: float = option(LENGTH_PENALTY, "beam search: GNMT's length penalty α")
+    coverage_penalty: float = option(COVERAGE_PENALTY, "beam search: GNMT's coverage penalty β (unattended "
+                                    "source tokens)")  # fmt: skip
 
     def __post_init__(self) -> None:
         """The shared checks, then the translation task's own."""
@@ -81,11 +93,18 @@ class TranslateConfig(RunConfig):
         reserved = sorted({"src_vocab_size", "tgt_vocab_size", "pad_id", "share_embeddings"} & set(self.model))
         if reserved:
             raise QkvError(f"{', '.join(reserved)}: set by the task (one shared vocabulary); use --vocab-size")
-        self.data = absolute(self.data)
+        if self.data is not None and self.corpus != "ding":
+            raise QkvError("--data and --corpus both name the training pairs; give one")
+        if self.init_from is not None and (self.model != self.default_model or self.vocab_size != DEFAULT_VOCAB):
+            raise QkvError("--init-from takes the model and vocabulary of the run it names; leave --vocab-size and "
+                           "the model options unset")  # fmt: skip
+        self.data, self.init_from = absolute(self.data), absolute(self.init_from)
 
     def splits(self) -> Splits:
         """The run's train / validation / test pairs."""
-        return split_de_en() if self.data is None else split_pairs_file(self.data)
+        if self.data is not None:
+            return split_pairs_file(self.data)
+        return split_de_en() if self.corpus == "ding" else split_bible()
 
 
 def validation_bleu(model: Transformer, batches: list[Seq2SeqBatch], translator: Translator) -> float:
@@ -114,12 +133,15 @@ class TranslateTask(Task):
         self.val_batches: list[Seq2SeqBatch] = []
         self.specials = Specials()
         self._buckets: dict[tuple[int, int], list[list[int]]] = {}
+        self.initial: TranslationRun | None = None  # the run --init-from names (a new run only)
 
     @classmethod
     def run_name(cls, cfg: RunConfig) -> str:
-        """de-en for the Ding sentences, else the pairs file's name."""
+        """de-en for the Ding sentences, bible-de-en for the Bible, else the pairs file's name."""
         assert isinstance(cfg, TranslateConfig)
-        return "de-en" if cfg.data is None else Path(cfg.data).stem
+        if cfg.data is not None:
+            return Path(cfg.data).stem
+        return "de-en" if cfg.corpus == "ding" else f"{cfg.corpus}-de-en"
 
     def setup(self, run_dir: Path, resume: bool) -> None:
         """Split the pairs, train the shared BPE on the training split (or load the run's), tokenize both splits."""
@@ -127,6 +149,11 @@ class TranslateTask(Task):
         splits = self.cfg.splits()
         if resume:
             self.tokenizer = load_tokenizer(run_dir)
+        elif self.cfg.init_from is not None:
+            from qkv.tasks import load  # the registry imports this module
+
+            self.initial = load(self.cfg.init_from, expect="translate")
+            self.tokenizer = self.initial.require_tokenizer()
         else:  # the vocabulary sees the training split only, both languages
             self.tokenizer = train_tokenizer([s for pair in splits.train for s in pair], self.cfg.vocab_size)
         self.specials = specials_of(self.tokenizer)
@@ -143,15 +170,26 @@ class TranslateTask(Task):
 
     def new_model_config(self) -> TransformerConfig:
         """An encoder–decoder over the shared vocabulary, its embeddings shared and tied to the output layer."""
+        if self.initial is not None:
+            return self.initial.model.cfg
         model_cfg = self.cfg.build_model_config(**self._vocabulary())
         assert isinstance(model_cfg, TransformerConfig)
         return model_cfg
+
+    def build_model(self) -> Transformer:
+        """A new model, or the weights of the run --init-from names (a resumed run loads its own checkpoint)."""
+        model = super().build_model()
+        assert isinstance(model, Transformer)
+        if self.initial is not None:
+            model.load_state_dict(self.initial.model.state_dict())
+        return model
 
     def describe(self) -> str:
         """Pair counts and the vocabulary."""
         assert self.tokenizer is not None
         n_val = sum(b.src.shape[0] for b in self.val_batches)
-        return f"{len(self.pairs):,} train / {n_val:,} val pairs, vocab {self.tokenizer.vocab_size}"
+        return (f"{len(self.pairs):,} train / {n_val:,} val pairs ({self.cfg.src_lang} → {self.cfg.tgt_lang}), "
+                f"vocab {self.tokenizer.vocab_size}")  # fmt: skip
 
     def draw(self, generator: torch.Generator, budget: int, parts: int) -> list[int]:
         """One random bucket: pairs of similar length, about `budget` tokens per side."""
@@ -212,15 +250,17 @@ class TranslationRun(LoadedRun):
         return Translator(self.model, tokenizer, specials_of(tokenizer), alpha, beta)
 
     def evaluate(self, options: EvalOptions) -> list[str]:
-        """Test-split BLEU and chrF (sacrebleu, detokenised), greedy and beam."""
-        translator = self.translator(options.length_penalty, options.coverage_penalty)
-        test = self.config.splits().test
-        sources, references = [src for src, _ in test], [tgt for _, tgt in test]
+        """Test-split BLEU and chrF (sacrebleu, detokenised), greedy and beam; the held-out books too, if any."""
+        translator = rescored(self.translator(options.length_penalty, options.coverage_penalty), options.beam_scoring,
+                              options.length_penalty, options.coverage_penalty)  # fmt: skip
+        splits = self.config.splits()
         lines = []
-        for beam in sorted({1, options.beam}):
-            hyps = translator.translate(sources, beam, options.batch_size)
-            name = "greedy" if beam == 1 else f"beam {beam}"
-            lines.append(f"test {name:>7}: BLEU {corpus_bleu(hyps, references):5.2f}  "
-                         f"chrF {corpus_chrf(hyps, references):5.2f}  ({len(test)} sentences, {self.checkpoint} "
-                         "weights)")  # fmt: skip
+        for split, pairs in (("test", splits.test), ("books", splits.test_books)):
+            sources, references = [src for src, _ in pairs], [tgt for _, tgt in pairs]
+            for beam in sorted({1, options.beam}) if pairs else ():
+                hyps = translator.translate(sources, beam, options.batch_size)
+                name = "greedy" if beam == 1 else f"beam {beam}"
+                lines.append(f"{split} {name:>7}: BLEU {corpus_bleu(hyps, references):5.2f}  "
+                             f"chrF {corpus_chrf(hyps, references):5.2f}  ({len(pairs)} sentences, "
+                             f"{self.checkpoint} weights)")  # fmt: skip
         return lines

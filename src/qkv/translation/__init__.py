@@ -4,6 +4,7 @@
     batching.py        padded source, shifted target (teacher forcing), length buckets
     step.py            the label-smoothed loss and its evaluation
     decoding.py        greedy decoding and beam search (GNMT's length and coverage penalties)
+    hf_beam.py         transformers' beam search (its length penalty, early stopping, forced </s>), for MarianMT
     run.py             Translator: text in, text out
     metrics.py         BLEU and chrF (sacrebleu, in the translate extra)
     attention_maps.py  cross-attention maps of a translation

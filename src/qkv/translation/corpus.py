@@ -12,7 +12,7 @@ import gzip
 import hashlib
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -88,11 +88,12 @@ def load_de_en() -> tuple[tuple[str, str], ...]:
 
 @dataclass(frozen=True)
 class Splits:
-    """Train / validation / test sentence pairs."""
+    """Train / validation / test sentence pairs, and a second test split of held-out books where a corpus has one."""
 
     train: list[tuple[str, str]]
     val: list[tuple[str, str]]
     test: list[tuple[str, str]]
+    test_books: list[tuple[str, str]] = field(default_factory=list)
 
 
 def split_pairs(pairs: Sequence[tuple[str, str]], held_out: int, seed: int = SPLIT_SEED) -> Splits:

@@ -18,6 +18,12 @@ from qkv.io.devices import cpu_threads
 from qkv.models import Transformer
 from qkv.translation.batching import Specials
 
+# qkv's defaults for GNMT's α and β, chosen on validation BLEU (measurements: benchmarks/TRANSLATION.md). GNMT
+# used α = 0.6, β = 0.2, but β assumes cross-attention that covers each source token about once over a good
+# translation; multi-head attention over BPE tokens does not, so β would reward long outputs that spread it.
+LENGTH_PENALTY = 1.0
+COVERAGE_PENALTY = 0.0
+
 
 def default_max_len(src: Tensor, model: Transformer) -> int:
     """Output tokens allowed: 1.5 × the longest source + 10, within the model's positions."""
@@ -48,19 +54,31 @@ def gnmt_coverage_penalty(coverage: Tensor, src_pad: Tensor, beta: float) -> Ten
 
 
 class _Stepper:
-    """Next-token log-probabilities for a growing batch of target prefixes."""
+    """Next-token log-probabilities for a growing batch of target prefixes; padding is never a next token."""
 
-    def __init__(self, model: Transformer, memory: Tensor, src_mask: Tensor, use_cache: bool, capacity: int) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        memory: Tensor,
+        src_mask: Tensor,
+        use_cache: bool,
+        capacity: int,
+        pad: int | None = None,
+    ) -> None:
         self.model, self.memory, self.src_mask = model, memory, src_mask
+        self.pad = model.cfg.pad_id if pad is None else pad
         self.cache: list[LayerCache] | None = model.new_cache(capacity) if use_cache else None
 
     def log_probs(self, tokens: Tensor) -> Tensor:
-        """(N, t) prefixes → (N, V) log P(next token), in float32."""
+        """(N, t) prefixes → (N, V) log P(next token), in float32, with log P(<pad>) = −∞."""
         if self.cache is not None:  # the cache holds tokens[:, :-1] already
             logits = self.model.decode(tokens[:, -1:], self.memory, self.src_mask, cache=self.cache)
         else:
             logits = self.model.decode(tokens, self.memory, self.src_mask)
-        return logits[:, -1].float().log_softmax(-1)
+        log_probs = logits[:, -1].float().log_softmax(-1)
+        # Not renormalised, as transformers' bad_words_ids does it: the other tokens keep their log P exactly.
+        log_probs[:, self.pad] = -torch.inf
+        return log_probs
 
     def log_probs_and_attention(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """log_probs, and the newest position's cross-attention in the last decoder layer, mean over heads (N, S)."""
@@ -98,7 +116,7 @@ def greedy_decode(
     """The most likely next token at every step, for each source row of src (B, S) (padded with sp.pad)."""
     src_mask = padding_mask_from_ids(src, sp.pad)  # (B, 1, 1, S)
     max_len = default_max_len(src, model) if max_len is None else max_len
-    stepper = _Stepper(model, model.encode(src, src_mask), src_mask, use_cache, max_len + 1)
+    stepper = _Stepper(model, model.encode(src, src_mask), src_mask, use_cache, max_len + 1, sp.pad)
     tokens = torch.full((src.shape[0], 1), sp.bos, dtype=torch.int64, device=src.device)  # (B, 1)
     done = torch.zeros(src.shape[0], dtype=torch.bool, device=src.device)
     for _ in range(max_len):
@@ -118,7 +136,7 @@ def beam_search(
     src: Tensor,
     sp: Specials,
     beam_size: int = 4,
-    length_penalty: float = 0.6,
+    length_penalty: float = LENGTH_PENALTY,
     max_len: int | None = None,
     use_cache: bool = True,
     coverage_penalty: float = 0.0,

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, Protocol
 
 import torch
 
@@ -11,9 +14,24 @@ from qkv.models import Transformer
 from qkv.tokenizers import Tokenizer
 from qkv.tokenizers.bpe import ByteBPETokenizer
 from qkv.translation.batching import Specials, source_tensor
-from qkv.translation.decoding import beam_search, check_penalties, greedy_decode
+from qkv.translation.decoding import COVERAGE_PENALTY, LENGTH_PENALTY, beam_search, check_penalties, greedy_decode
+from qkv.translation.hf_beam import EarlyStopping, check_early_stopping, hf_generate
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2: trained first, so they come first
+BeamScoring = Literal["gnmt", "hf"]
+BEAM_SCORINGS = ("gnmt", "hf")
+
+
+class TextCodec(Protocol):
+    """What a translator needs of a tokenizer: a qkv Tokenizer, or a checkpoint's own (MarianMT's SentencePiece)."""
+
+    def encode(self, text: str) -> list[int]:
+        """Source token ids of `text`, without </s>."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of target token ids."""
+        ...
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> ByteBPETokenizer:
@@ -34,17 +52,28 @@ def specials_of(tokenizer: Tokenizer) -> Specials:
 
 @dataclass
 class Translator:
-    """Greedy or beam-search translation of sentences (beam search with GNMT's α and β)."""
+    """Greedy or beam-search translation of sentences, scored as GNMT (α, β) or as transformers' generate."""
 
     model: Transformer
-    tokenizer: Tokenizer
+    tokenizer: TextCodec
     specials: Specials
-    length_penalty: float = 0.6  # GNMT's α
-    coverage_penalty: float = 0.2  # GNMT's β
+    length_penalty: float = LENGTH_PENALTY  # GNMT's α; with beam_scoring "hf", transformers' exponent
+    coverage_penalty: float = COVERAGE_PENALTY  # GNMT's β (beam_scoring "hf" has none)
+    beam_scoring: BeamScoring = "gnmt"
+    # The next three are transformers' generation settings (beam_scoring "hf"); max_len applies to both.
+    early_stopping: EarlyStopping = False
+    max_len: int | None = None  # output tokens allowed; None = 1.5 × the longest source + 10
+    forced_eos: bool = False  # the last allowed token is </s> (forced_eos_token_id)
 
     def __post_init__(self) -> None:
-        """Refuse negative penalties by name."""
-        check_penalties(self.length_penalty, self.coverage_penalty)
+        """Refuse unknown scorings, negative GNMT penalties and bad lengths by name."""
+        if self.beam_scoring not in BEAM_SCORINGS:
+            raise QkvError(f"unknown beam scoring {self.beam_scoring!r}; choose one of: {', '.join(BEAM_SCORINGS)}")
+        if self.beam_scoring == "gnmt":
+            check_penalties(self.length_penalty, self.coverage_penalty)
+        check_early_stopping(self.early_stopping)
+        if self.max_len is not None and self.max_len < 1:
+            raise QkvError(f"the maximum output length must be ≥ 1, got {self.max_len}")
 
     @property
     def device(self) -> torch.device:
@@ -56,10 +85,13 @@ class Translator:
         return source_tensor([self.tokenizer.encode(s) for s in sentences], self.specials).to(self.device)
 
     def decode_ids(self, src: torch.Tensor, beam_size: int = 1) -> list[list[int]]:
-        """Output ids for sources (B, S): beam_size 1 = greedy, else beam search with α and β."""
+        """Output ids for sources (B, S): beam_size 1 = greedy, else beam search scored as beam_scoring says."""
+        if self.beam_scoring == "hf":
+            return hf_generate(self.model, src, self.specials, beam_size, self.length_penalty, self.early_stopping,
+                               self.max_len, self.forced_eos)  # fmt: skip
         if beam_size == 1:
-            return greedy_decode(self.model, src, self.specials)
-        return beam_search(self.model, src, self.specials, beam_size, self.length_penalty,
+            return greedy_decode(self.model, src, self.specials, self.max_len)
+        return beam_search(self.model, src, self.specials, beam_size, self.length_penalty, max_len=self.max_len,
                            coverage_penalty=self.coverage_penalty)  # fmt: skip
 
     def translate(self, sentences: list[str], beam_size: int = 1, batch_size: int = 64) -> list[str]:
@@ -69,3 +101,20 @@ class Translator:
             ids = self.decode_ids(self.encode_sources(sentences[i : i + batch_size]), beam_size)
             out.extend(self.tokenizer.decode(t).strip() for t in ids)
         return out
+
+
+def rescored(
+    translator: Translator,
+    scoring: BeamScoring | None,
+    length_penalty: float | None = None,
+    coverage_penalty: float | None = None,
+) -> Translator:
+    """The translator with another beam scoring (None: keep its own), given penalties or that scoring's defaults."""
+    scoring = translator.beam_scoring if scoring is None else scoring
+    if scoring == "hf" and coverage_penalty is not None:
+        raise QkvError("--coverage-penalty is GNMT's; --beam-scoring hf has no coverage penalty")
+    if scoring == translator.beam_scoring:
+        return translator
+    alpha = length_penalty if length_penalty is not None else (1.0 if scoring == "hf" else LENGTH_PENALTY)
+    beta = coverage_penalty if coverage_penalty is not None else (0.0 if scoring == "hf" else COVERAGE_PENALTY)
+    return dataclasses.replace(translator, beam_scoring=scoring, length_penalty=alpha, coverage_penalty=beta)
