@@ -19,12 +19,40 @@ NAME = "BART"
 POSITION_OFFSET = 2  # BartLearnedPositionalEmbedding.offset
 
 
-def _same(hf: dict[str, Any], encoder_key: str, decoder_key: str) -> int:
+def _same(hf: dict[str, Any], encoder_key: str, decoder_key: str, name: str) -> int:
     """A size that qkv's one block config gives both sides, refusing checkpoints where they differ."""
-    enc, dec = hf_value(hf, encoder_key, NAME), hf_value(hf, decoder_key, NAME)
+    enc, dec = hf_value(hf, encoder_key, name), hf_value(hf, decoder_key, name)
     if enc != dec:
-        raise unsupported(NAME, f"{encoder_key}≠{decoder_key}", (enc, dec))
+        raise unsupported(name, f"{encoder_key}≠{decoder_key}", (enc, dec))
     return int(enc)
+
+
+def seq2seq_config(hf: dict[str, Any], name: str, **family: Any) -> TransformerConfig:
+    """The TransformerConfig fields BART and Marian spell alike (post-norm, biases, one shared vocabulary, an
+    output bias); `family` gives the rest (positions, norms, pad id)."""
+    vocab_size = hf_value(hf, "vocab_size", name)
+    return TransformerConfig(
+        src_vocab_size=vocab_size,
+        tgt_vocab_size=vocab_size,
+        d_model=hf_value(hf, "d_model", name),
+        n_heads=_same(hf, "encoder_attention_heads", "decoder_attention_heads", name),
+        d_ff=_same(hf, "encoder_ffn_dim", "decoder_ffn_dim", name),
+        n_encoder_layers=hf_value(hf, "encoder_layers", name),
+        n_decoder_layers=hf_value(hf, "decoder_layers", name),
+        max_positions=hf_value(hf, "max_position_embeddings", name),
+        norm="layer",
+        norm_placement="post",
+        norm_eps=1e-5,  # nn.LayerNorm's default: neither config has an ε
+        activation=activation_from_hf(hf_value(hf, "activation_function", name, "gelu"), name),
+        bias=True,
+        dropout=hf_value(hf, "dropout", name, 0.1),
+        attention_dropout=hf_value(hf, "attention_dropout", name, 0.0),
+        share_embeddings=True,
+        tie_embeddings=hf_value(hf, "tie_word_embeddings", name, True),
+        scale_embeddings=hf_value(hf, "scale_embedding", name, False),
+        output_bias=True,
+        **family,
+    )
 
 
 def config_from_hf(hf: dict[str, Any], tensor_names: Collection[str]) -> TransformerConfig:
@@ -32,32 +60,8 @@ def config_from_hf(hf: dict[str, Any], tensor_names: Collection[str]) -> Transfo
     for flag in ("normalize_before", "add_final_layer_norm"):  # mBART-style pre-norm variants
         if hf.get(flag):
             raise unsupported(NAME, flag, True)
-    vocab_size = hf_value(hf, "vocab_size", NAME)
-    return TransformerConfig(
-        src_vocab_size=vocab_size,
-        tgt_vocab_size=vocab_size,
-        d_model=hf_value(hf, "d_model", NAME),
-        n_heads=_same(hf, "encoder_attention_heads", "decoder_attention_heads"),
-        d_ff=_same(hf, "encoder_ffn_dim", "decoder_ffn_dim"),
-        n_encoder_layers=hf_value(hf, "encoder_layers", NAME),
-        n_decoder_layers=hf_value(hf, "decoder_layers", NAME),
-        positions="learned",
-        max_positions=hf_value(hf, "max_position_embeddings", NAME),
-        position_offset=POSITION_OFFSET,
-        embedding_norm=True,
-        norm="layer",
-        norm_placement="post",
-        norm_eps=1e-5,  # nn.LayerNorm's default: BART's config has no ε
-        activation=activation_from_hf(hf_value(hf, "activation_function", NAME, "gelu"), NAME),
-        bias=True,
-        dropout=hf_value(hf, "dropout", NAME, 0.1),
-        attention_dropout=hf_value(hf, "attention_dropout", NAME, 0.0),
-        share_embeddings=True,
-        tie_embeddings=hf_value(hf, "tie_word_embeddings", NAME, True),
-        scale_embeddings=hf_value(hf, "scale_embedding", NAME, False),
-        output_bias=True,
-        pad_id=hf_value(hf, "pad_token_id", NAME, 1),
-    )
+    return seq2seq_config(hf, NAME, positions="learned", position_offset=POSITION_OFFSET, embedding_norm=True,
+                          pad_id=hf_value(hf, "pad_token_id", NAME, 1))  # fmt: skip
 
 
 def _attention(qkv: str, hf: str) -> NameMap:

@@ -17,21 +17,13 @@ from typing import Any, Literal
 
 from qkv.config import TransformerConfig
 from qkv.errors import QkvError
-from qkv.interop.bart import seq2seq_name_map
-from qkv.interop.hf_io import Family, NameMap, activation_from_hf, activation_to_hf, hf_value, unsupported
+from qkv.interop.bart import seq2seq_config, seq2seq_name_map
+from qkv.interop.hf_io import Family, NameMap, activation_to_hf, hf_value, unsupported
 from qkv.io.files import load_json
 
 NAME = "Marian"
 GENERATION_FILE = "generation_config.json"
 NORM_EPS = 1e-5  # nn.LayerNorm's default: Marian's config has no ε
-
-
-def _same(hf: dict[str, Any], encoder_key: str, decoder_key: str) -> int:
-    """A size that qkv's one block config gives both sides, refusing checkpoints where they differ."""
-    enc, dec = hf_value(hf, encoder_key, NAME), hf_value(hf, decoder_key, NAME)
-    if enc != dec:
-        raise unsupported(NAME, f"{encoder_key}≠{decoder_key}", (enc, dec))
-    return int(enc)
 
 
 def _refuse_variants(hf: dict[str, Any]) -> None:
@@ -50,31 +42,8 @@ def _refuse_variants(hf: dict[str, Any]) -> None:
 def config_from_hf(hf: dict[str, Any], tensor_names: Collection[str]) -> TransformerConfig:
     """TransformerConfig for a MarianMT config.json."""
     _refuse_variants(hf)
-    vocab_size = hf_value(hf, "vocab_size", NAME)
-    return TransformerConfig(
-        src_vocab_size=vocab_size,
-        tgt_vocab_size=vocab_size,
-        d_model=hf_value(hf, "d_model", NAME),
-        n_heads=_same(hf, "encoder_attention_heads", "decoder_attention_heads"),
-        d_ff=_same(hf, "encoder_ffn_dim", "decoder_ffn_dim"),
-        n_encoder_layers=hf_value(hf, "encoder_layers", NAME),
-        n_decoder_layers=hf_value(hf, "decoder_layers", NAME),
-        positions="sinusoidal",
-        sinusoid_layout="halves",
-        max_positions=hf_value(hf, "max_position_embeddings", NAME),
-        norm="layer",
-        norm_placement="post",
-        norm_eps=NORM_EPS,
-        activation=activation_from_hf(hf_value(hf, "activation_function", NAME, "gelu"), NAME),
-        bias=True,
-        dropout=hf_value(hf, "dropout", NAME, 0.1),
-        attention_dropout=hf_value(hf, "attention_dropout", NAME, 0.0),
-        share_embeddings=True,
-        tie_embeddings=hf_value(hf, "tie_word_embeddings", NAME, True),
-        scale_embeddings=hf_value(hf, "scale_embedding", NAME, False),
-        output_bias=True,
-        pad_id=hf_value(hf, "pad_token_id", NAME),
-    )
+    return seq2seq_config(hf, NAME, positions="sinusoidal", sinusoid_layout="halves",
+                          pad_id=hf_value(hf, "pad_token_id", NAME))  # fmt: skip
 
 
 def name_map(cfg: TransformerConfig) -> NameMap:
