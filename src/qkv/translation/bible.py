@@ -9,14 +9,12 @@ See data/BIBLE.md for the provenance, the licences and the counts.
 from __future__ import annotations
 
 import functools
-import gzip
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib import resources
 
 from qkv.errors import QkvError
-from qkv.translation.corpus import TEST_SIZE, Splits, split_pairs, tsv_sha256
+from qkv.translation.corpus import TEST_SIZE, Splits, read_packaged_tsv, split_pairs
 
 BIBLE_RESOURCE = "bible_de_en.tsv.gz"
 BIBLE_COUNT = 31097
@@ -101,15 +99,8 @@ def verses_to_tsv(verses: list[Verse]) -> bytes:
 @functools.cache
 def load_bible() -> tuple[Verse, ...]:
     """All packaged verse pairs in canonical order, hash-checked."""
-    resource = resources.files("qkv.data").joinpath(BIBLE_RESOURCE)
-    try:
-        data = gzip.decompress(resource.read_bytes())
-    except (OSError, EOFError) as err:
-        raise QkvError(f"cannot read the packaged corpus {BIBLE_RESOURCE} ({err}); run scripts/build_bible.py") from err
-    if tsv_sha256(data) != BIBLE_SHA256:
-        raise QkvError(f"{BIBLE_RESOURCE} does not match its pinned sha256; rebuild it with scripts/build_bible.py")
     verses = []
-    for row in data.decode("utf-8").splitlines():
+    for row in read_packaged_tsv(BIBLE_RESOURCE, BIBLE_SHA256, "scripts/build_bible.py"):
         book, chapter, verse, german, english = row.split("\t")
         verses.append(Verse((int(book), int(chapter), int(verse)), german, english))
     return tuple(verses)

@@ -72,17 +72,22 @@ def tsv_sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-@functools.cache
-def load_de_en() -> tuple[tuple[str, str], ...]:
-    """All packaged (german, english) pairs in file order, hash-checked."""
-    resource = resources.files("qkv.data").joinpath(DE_EN_RESOURCE)
+def read_packaged_tsv(name: str, sha256: str, script: str) -> list[str]:
+    """The lines of a gzipped TSV in qkv.data, after checking the uncompressed bytes against their pinned sha256."""
+    resource = resources.files("qkv.data").joinpath(name)
     try:
         data = gzip.decompress(resource.read_bytes())
     except (OSError, EOFError) as err:
-        raise QkvError(f"cannot read the packaged corpus {DE_EN_RESOURCE} ({err}); run scripts/build_de_en.py") from err
-    if tsv_sha256(data) != DE_EN_SHA256:
-        raise QkvError(f"{DE_EN_RESOURCE} does not match its pinned sha256; rebuild it with scripts/build_de_en.py")
-    rows = data.decode("utf-8").splitlines()
+        raise QkvError(f"cannot read the packaged corpus {name} ({err}); run {script}") from err
+    if tsv_sha256(data) != sha256:
+        raise QkvError(f"{name} does not match its pinned sha256; rebuild it with {script}")
+    return data.decode("utf-8").splitlines()
+
+
+@functools.cache
+def load_de_en() -> tuple[tuple[str, str], ...]:
+    """All packaged (german, english) pairs in file order, hash-checked."""
+    rows = read_packaged_tsv(DE_EN_RESOURCE, DE_EN_SHA256, "scripts/build_de_en.py")
     return tuple((de, en) for de, en in (row.split("\t") for row in rows))
 
 
