@@ -48,7 +48,7 @@ def main() -> None:
     """Decode, score and compare each setting with greedy."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dir")
-    parser.add_argument("--split", choices=("val", "test", "books"), default="val")
+    parser.add_argument("--split", default="val", help="val, or a test split of the run's corpus (test, books, …)")
     parser.add_argument("--limit", type=int, default=None, help="the first N pairs of the split")
     parser.add_argument("--beam", action="append", default=[], metavar="K,ALPHA,BETA")
     parser.add_argument("--coverage", action="store_true", help="also measure the coverage of the references")
@@ -56,7 +56,10 @@ def main() -> None:
     torch.set_num_threads(1)  # decoding steps are tiny matmuls (qkv.io.devices): one thread each, as qkv does
     run = load(args.run_dir)
     splits = run.config.splits()
-    pairs = {"val": splits.val, "test": splits.test, "books": splits.test_books}[args.split][: args.limit]
+    named = {"val": splits.val, **splits.tests}
+    if args.split not in named:
+        parser.error(f"--split {args.split}: choose one of {', '.join(named)}")
+    pairs = named[args.split][: args.limit]
     sources, references = [s for s, _ in pairs], [t for _, t in pairs]
     print(f"{args.run_dir}: {len(pairs)} {args.split} pairs")
     if args.coverage:

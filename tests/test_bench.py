@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import gzip
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -123,3 +124,18 @@ def test_missing_benchmarks_directory_is_a_clear_error(tmp_path: Path) -> None:
     """An installed qkv without the repository says where it looked and why."""
     with pytest.raises(QkvError, match="benchmarks/ directory"):
         load_benchmark("attention", tmp_path)
+
+
+def test_cpu_allocator_runs_both_settings_in_their_own_processes(capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/cpu_allocator.py at a tiny recipe: both variants run, and qkv's setting takes fewer page faults."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cpu_allocator", BENCHMARKS_DIR / "cpu_allocator.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    recipe = json.dumps({"vocab_size": 300, "model": {"d_model": 32, "n_heads": 2, "d_ff": 64}, "batch_size": 2000})
+    assert module.main([recipe, "--steps", "14", "--repeats", "1"]) > 0
+    out = capsys.readouterr().out
+    faults = [float(x) for x in re.findall(r"([\d.]+) M page faults", out)]
+    assert len(faults) == 2 and faults[1] < faults[0]  # glibc's defaults first, keep_freed_memory second

@@ -383,3 +383,83 @@ def test_unsupported_variants_are_refused_in_one_line(
     assert cli_main(["translate", str(directory), SENTENCES[0]]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err and "not supported by qkv" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# Fine-tuning: `qkv train translate --init-from MARIAN_DIR`
+# ---------------------------------------------------------------------------------------------
+
+
+def _parallel_pairs(n: int, seed: int) -> list[tuple[str, str]]:
+    """n German–English pairs: the same subject, verb and object picked on both sides."""
+    rng = random.Random(seed)
+    picks = [[rng.randrange(len(part)) for part in _DE] for _ in range(n)]
+    return [tuple(" ".join(words[i] for words, i in zip(side, p, strict=True)) for side in (_DE, _EN))  # type: ignore[misc]
+            for p in picks]  # fmt: skip
+
+
+def test_teacher_forced_loss_equals_transformers_with_labels(marian_dir: Path) -> None:
+    """qkv's training batch of a Marian model (target pieces, <pad> start, padding) has transformers' loss."""
+    from qkv.translation.batching import encode_pairs, make_batch
+    from qkv.translation.run import specials_of
+    from qkv.translation.step import batch_loss
+
+    pairs = _parallel_pairs(6, seed=3)
+    ours, theirs = read_marian_tokenizer(marian_dir), _hf_tokenizer(marian_dir)
+    assert ours is not None
+    encoded = theirs([de for de, _ in pairs], text_target=[en for _, en in pairs], return_tensors="pt", padding=True)
+    for (_, en), labels in zip(pairs, theirs(text_target=[en for _, en in pairs]).input_ids, strict=True):
+        assert [*ours.encode_target(en), ours.eos_id] == labels, en
+        assert ours.encode_target(en) != ours.encode(en)  # the target side has its own SentencePiece model
+    sp = specials_of(ours)
+    assert (sp.pad, sp.bos, sp.eos) == (ours.pad_id, ours.pad_id, ours.eos_id)
+    batch = make_batch(*zip(*encode_pairs(ours, pairs, 64), strict=True), sp)  # type: ignore[arg-type]
+    labels = encoded["labels"].masked_fill(encoded["labels"] == sp.pad, -100)
+    model = from_hf(marian_dir).eval()
+    with torch.no_grad():
+        expected = _hf_model(marian_dir)(**{k: v for k, v in encoded.items() if k != "labels"}, labels=labels).loss
+        loss = batch_loss(model, batch, smoothing=0.0)
+    assert abs(loss.item() - expected.item()) <= TOL
+
+
+def test_init_from_a_marian_directory_fine_tunes_it(
+    marian_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--init-from MARIAN_DIR starts at its weights with its tokenizer; the run translates, evaluates and resumes."""
+    from qkv.tasks import load, train
+    from qkv.tasks.translate import TranslateConfig
+    from qkv.training import Hooks
+
+    data = tmp_path / "pairs.tsv"
+    data.write_text("".join(f"{de}\t{en}\n" for de, en in _parallel_pairs(120, seed=4)), encoding="utf-8")
+    started: dict[str, torch.Tensor] = {}
+    hooks = Hooks(on_model=lambda model: started.update({k: v.clone() for k, v in model.state_dict().items()}))
+    run_dir = tmp_path / "tuned"
+    config = TranslateConfig(data=str(data), init_from=str(marian_dir), batch_size=300, max_steps=8, eval_interval=4,
+                             lr=1e-3, warmup_steps=2, device="cpu", out_dir=str(run_dir))  # fmt: skip
+    result = train(config, verbose=False, hooks=hooks)
+    original = from_hf(marian_dir).state_dict()
+    assert started.keys() == original.keys() and all(torch.equal(started[k], original[k]) for k in original)
+    losses = [row["val_loss"] for row in result.metrics]
+    assert losses[-1] < losses[0]  # it learns the pairs
+    tuned = load(run_dir, checkpoint="last")
+    assert tuned.tokenizer.kind == "marian" and tuned.tokenizer.encode(SENTENCES[0]) == read_marian_tokenizer(
+        marian_dir
+    ).encode(SENTENCES[0])  # fmt: skip
+    assert not torch.equal(tuned.model.generator.bias, original["generator.bias"])
+    capsys.readouterr()
+    assert cli_main(["translate", str(run_dir), SENTENCES[0], "--beam", "2"]) == 0
+    assert capsys.readouterr().out.strip()
+    assert cli_main(["eval", str(run_dir), "--beam", "2"]) == 0
+    assert "test  beam 2: BLEU" in capsys.readouterr().out
+    assert cli_main(["train", "translate", "--resume", "--out-dir", str(run_dir), "--max-steps", "10"]) == 0
+    assert load(run_dir, checkpoint="last").config.max_steps == 10
+    # Back to a MarianMT directory, tokenizer included: transformers computes what qkv does.
+    assert cli_main(["convert", str(run_dir), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    batch = _hf_tokenizer(tmp_path / "hf")(SENTENCES[:3], return_tensors="pt", padding=True)
+    tuned, pad = load(run_dir).model, read_marian_tokenizer(marian_dir).pad_id  # type: ignore[union-attr]
+    tgt = torch.full((3, 1), pad)
+    with torch.no_grad():
+        theirs = _hf_model(tmp_path / "hf")(**batch, decoder_input_ids=tgt).logits
+        ours = tuned(batch.input_ids, tgt, batch.attention_mask.bool()[:, None, None, :])
+    assert (ours - theirs).abs().max().item() <= TOL

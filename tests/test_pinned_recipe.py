@@ -20,7 +20,7 @@ from qkv.translation.corpus import load_de_en
 
 MODEL = {"d_model": 32, "n_heads": 2, "dropout": 0.0}
 SEQ2SEQ = {**MODEL, "d_ff": 64, "n_encoder_layers": 1, "n_decoder_layers": 1}
-COMMON = {"device": "cpu", "eval_interval": 3, "warmup_steps": 2, "max_steps": 6, "seed": 7}
+COMMON = {"device": "cpu", "eval_interval": 3, "warmup_steps": 2, "max_steps": 6, "seed": 7, "optimizer": "adamw"}
 RECIPE: dict[str, dict[str, Any]] = {  # "tiny-2026-11"
     "lm": {**COMMON, "block_size": 32, "batch_size": 4, "model": {**MODEL, "n_layers": 1}, "sample_tokens": 0},
     "mlm": {**COMMON, "block_size": 32, "batch_size": 4, "vocab_size": 300, "model": {**MODEL, "n_layers": 1}},

@@ -171,15 +171,16 @@ def test_the_run_chooses_its_optimizer_kernel_on_resume() -> None:
     """A stored optimizer state brings back its param groups' kernel flags; the resumed run's choice wins."""
     import torch
 
-    from qkv.training.optim import apply_settings, chosen_kernels, make_optimizer
+    from qkv.training.optim import apply_settings, group_settings, make_optimizer
 
     model = torch.nn.Linear(4, 4)
-    fused = make_optimizer(model, LMConfig(fused_optimizer=True))
+    fused = make_optimizer(model, LMConfig(fused_optimizer=True, weight_decay=0.1))
     state = fused.state_dict()
-    foreach = make_optimizer(model, LMConfig(fused_optimizer=False))
-    kernels = chosen_kernels(foreach)
+    foreach = make_optimizer(model, LMConfig(fused_optimizer=False, weight_decay=0.5))
+    settings = group_settings(foreach)
     foreach.load_state_dict(state)
     assert foreach.param_groups[0]["fused"]  # what load_state_dict brought back
-    apply_settings(foreach, LMConfig(fused_optimizer=False), kernels)
-    assert chosen_kernels(foreach) == kernels
+    apply_settings(foreach, settings)
+    assert group_settings(foreach) == settings
     assert all(not g["fused"] and g["foreach"] for g in foreach.param_groups)
+    assert [g["weight_decay"] for g in foreach.param_groups] == [0.5, 0.0]

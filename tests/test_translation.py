@@ -69,10 +69,10 @@ def test_shipped_corpus_count_hash_and_split() -> None:
     assert len(pairs) == DE_EN_COUNT == 19767
     assert tsv_sha256(pairs_to_tsv(list(pairs))) == DE_EN_SHA256
     splits = split_de_en()
-    assert (len(splits.test), len(splits.val)) == (TEST_SIZE, VAL_SIZE) == (1000, 1000)
+    assert (len(splits.tests["test"]), len(splits.val)) == (TEST_SIZE, VAL_SIZE) == (1000, 1000)
     assert len(splits.train) == DE_EN_COUNT - 2000
-    assert not set(splits.test) & set(splits.train) and not set(splits.val) & set(splits.train)
-    assert split_de_en().test == splits.test  # deterministic
+    assert not set(splits.tests["test"]) & set(splits.train) and not set(splits.val) & set(splits.train)
+    assert split_de_en().tests["test"] == splits.tests["test"]  # deterministic
 
 
 # ---------------------------------------------------------------------------------------------- loss
@@ -288,15 +288,16 @@ def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 @pytest.fixture
 def tiny_corpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Train on 300 pairs and validate on 20, so a whole run takes seconds."""
+    """Train on 300 Ding pairs and validate on 20, so a whole run (corpus="ding") takes seconds."""
     full = split_de_en()
-    small = Splits(train=full.train[:300], val=full.val[:20], test=full.test[:20])
+    small = Splits(train=full.train[:300], val=full.val[:20], tests={"test": full.tests["test"][:20]})
     monkeypatch.setattr("qkv.tasks.translate.split_de_en", lambda: small)
 
 
 def test_resume_takes_the_same_steps(tmp_path: Path, tiny_corpus: None, capsys: pytest.CaptureFixture[str]) -> None:
-    tiny: dict[str, Any] = dict(vocab_size=300, model={"d_model": 32, "n_heads": 2, "d_ff": 64, "n_encoder_layers": 1,
-                "n_decoder_layers": 1}, batch_size=200, max_steps=4, eval_interval=2, device="cpu")  # fmt: skip
+    tiny: dict[str, Any] = dict(corpus="ding", vocab_size=300, model={"d_model": 32, "n_heads": 2, "d_ff": 64,
+                "n_encoder_layers": 1, "n_decoder_layers": 1}, batch_size=200, max_steps=4, eval_interval=2,
+                device="cpu")  # fmt: skip
     whole = train(TranslateConfig(**tiny, max_time=1e4, out_dir=str(tmp_path / "a")), verbose=False)
     cut = train(TranslateConfig(**tiny, max_time=1e-3, out_dir=str(tmp_path / "b")), verbose=False)
     assert cut.step == 1  # the time budget stopped it after one step, with a checkpoint
@@ -329,8 +330,9 @@ def test_lab_attention_map_of_a_translation_run(tmp_path: Path, tiny_corpus: Non
     """`qkv lab attention-map` on an encoder–decoder run: encoder self-, decoder self- and cross-attention."""
     from qkv.lab.attention_map import attention_map
 
-    tiny: dict[str, Any] = dict(vocab_size=300, model={"d_model": 32, "n_heads": 2, "d_ff": 64, "n_encoder_layers": 1,
-                "n_decoder_layers": 2}, batch_size=200, max_steps=2, eval_interval=2, device="cpu")  # fmt: skip
+    tiny: dict[str, Any] = dict(corpus="ding", vocab_size=300, model={"d_model": 32, "n_heads": 2, "d_ff": 64,
+                "n_encoder_layers": 1, "n_decoder_layers": 2}, batch_size=200, max_steps=2, eval_interval=2,
+                device="cpu")  # fmt: skip
     train(TranslateConfig(**tiny, out_dir=str(tmp_path / "run")), verbose=False)
     result = attention_map(tmp_path / "run", "Wie geht es dir?")
     kinds = [m.kind for m in result.maps]

@@ -17,7 +17,7 @@ from qkv.translation.bible import (
     move_psalm_headings,
     split_bible,
 )
-from qkv.translation.corpus import TEST_SIZE, VAL_SIZE
+from qkv.translation.corpus import TEST_SIZE, VAL_SIZE, split_de_en
 
 
 def test_cleaning_rules_on_known_verses() -> None:
@@ -78,17 +78,21 @@ def test_splits_are_fixed_disjoint_and_hold_out_whole_books() -> None:
     splits = split_bible()
     books = {v.key[0] for v in load_bible()}
     in_books = [(v.german, v.english) for v in load_bible() if v.key[0] in HELD_OUT_BOOKS]
-    assert len(splits.test) == TEST_SIZE and len(splits.val) == VAL_SIZE
-    assert splits.test_books == in_books and len(in_books) == 1024
+    assert len(splits.tests["test"]) == TEST_SIZE and len(splits.val) == VAL_SIZE
+    assert splits.tests["books"] == in_books and len(in_books) == 1024
     assert len(splits.train) + 2 * TEST_SIZE + len(in_books) == BIBLE_COUNT
     assert set(HELD_OUT_BOOKS) <= books
     every = Counter((v.german, v.english) for v in load_bible())  # repeated verses ("Then Job answered,") repeat
-    assert Counter(splits.train) + Counter(splits.val) + Counter(splits.test) + Counter(in_books) == every
-    assert split_bible().test == splits.test  # seeded: the same every time
+    assert Counter(splits.train) + Counter(splits.val) + Counter(splits.tests["test"]) + Counter(in_books) == every
+    assert split_bible().tests["test"] == splits.tests["test"]  # seeded: the same every time
 
 
 def test_corpus_option() -> None:
-    assert TranslateConfig(corpus="bible").splits().test == split_bible().test
+    assert TranslateConfig(corpus="bible").splits().tests["test"] == split_bible().tests["test"]
+    bible, ding, both = split_bible(), split_de_en(), TranslateConfig(corpus="ding+bible").splits()
+    assert both.train == bible.train + ding.train and both.val == bible.val + ding.val  # pooled, nothing lost
+    assert both.tests == {"bible test": bible.tests["test"], "bible books": bible.tests["books"],
+                          "ding test": ding.tests["test"]}  # each corpus's own test splits, named  # fmt: skip
     with pytest.raises(QkvError, match="unknown corpus"):
         TranslateConfig(corpus="wiki")
     with pytest.raises(QkvError, match="give one"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -55,8 +56,14 @@ def test_own_pairs_train_evaluate_and_translate(tmp_path: Path, capsys: pytest.C
     assert stored["data"] == str(data) and stored["src_lang"] == "de-num"
     code, out, err = _cli(capsys, "eval", str(run), "--beam", "2")
     assert code == 0, err
-    assert [line.split(":")[0] for line in out.strip().splitlines()] == ["test  greedy", "test  beam 2"]
+    lines = out.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["test  greedy", "test  beam 2", "test beam 2 − greedy"]
     assert "(20 sentences" in out  # a tenth of the 200 pairs
+    greedy, beam = (float(re.search(r"BLEU +([\d.]+)", line).group(1)) for line in lines[:2])  # type: ignore[union-attr]
+    gain = re.fullmatch(r"test beam 2 − greedy: ([+-][\d.]+) BLEU \(95 % interval ([+-][\d.]+) … ([+-][\d.]+), "
+                        r"1000 resamples\)", lines[2])  # fmt: skip
+    assert gain and float(gain.group(1)) == pytest.approx(beam - greedy, abs=0.011)
+    assert float(gain.group(2)) <= float(gain.group(1)) <= float(gain.group(3))
     code, out, err = _cli(capsys, "translate", str(run), "eins zwei drei")
     assert code == 0 and out.strip(), err
 

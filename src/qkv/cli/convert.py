@@ -62,11 +62,12 @@ class _Source:
 def _read(src: Path) -> _Source:
     """Read SRC once (a GGUF file is dequantised here): a Hugging Face checkpoint, or a qkv directory."""
     from qkv.interop import family_of, from_hf, marian, read_checkpoint, read_marian_tokenizer, tokenizer_from_hf
+    from qkv.interop.marian_tokenizer import read_tokenizer
     from qkv.interop.qkv_dir import is_qkv_dir, load_qkv
     from qkv.io.files import load_json
 
     if is_qkv_dir(src):
-        return _Source(load_qkv(src), _qkv_tokenizer(src), "qkv", exportable=True)
+        return _Source(load_qkv(src), read_tokenizer(src), "qkv", exportable=True)  # a fine-tuned Marian's too
     ckpt = read_checkpoint(src)
     family = family_of(ckpt.config)
     model = from_hf(ckpt)
@@ -76,14 +77,6 @@ def _read(src: Path) -> _Source:
     generation = src / marian.GENERATION_FILE
     return _Source(model, read_marian_tokenizer(src), family.name, True, {k: ckpt.config.get(k) for k in _TOKEN_IDS},
                    load_json(generation) if generation.is_file() else None)  # fmt: skip
-
-
-def _qkv_tokenizer(src: Path) -> Any:
-    """A qkv directory's tokenizer, or None."""
-    from qkv.tokenizers import load_tokenizer
-    from qkv.tokenizers.base import TOKENIZER_FILE
-
-    return load_tokenizer(src) if (src / TOKENIZER_FILE).is_file() else None
 
 
 def _translation_ids(source: _Source) -> dict[str, Any]:

@@ -188,14 +188,6 @@ def _sentences(args: argparse.Namespace) -> list[str]:
     return sentences
 
 
-def _is_marian(directory: Path) -> bool:
-    """Whether a directory is a Hugging Face MarianMT checkpoint (config.json's model_type)."""
-    from qkv.io.files import load_json
-
-    config = directory / "config.json"
-    return config.is_file() and load_json(config).get("model_type") == "marian"
-
-
 def _marian_translator(args: argparse.Namespace) -> tuple[Translator, int]:
     """A MarianMT directory as a translator decoding as transformers does, and its default beam size."""
     from qkv.interop import from_hf, read_marian_tokenizer
@@ -226,7 +218,9 @@ def cmd_translate(args: argparse.Namespace) -> int:
     if args.beam is not None and args.beam < 1:
         raise QkvError(f"--beam must be ≥ 1, got {args.beam}")
     sentences = _sentences(args)
-    if _is_marian(Path(args.run_dir)):
+    from qkv.interop.marian import is_marian_dir
+
+    if is_marian_dir(args.run_dir):
         translator, beam = _marian_translator(args)
     else:
         translator, beam = _load(args, expect="translate").translator(args.length_penalty, args.coverage_penalty), 4

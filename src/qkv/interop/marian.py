@@ -26,6 +26,12 @@ GENERATION_FILE = "generation_config.json"
 NORM_EPS = 1e-5  # nn.LayerNorm's default: Marian's config has no ε
 
 
+def is_marian_dir(directory: str | Path) -> bool:
+    """Whether a directory is a Hugging Face MarianMT checkpoint (config.json's model_type)."""
+    config = Path(directory) / "config.json"
+    return config.is_file() and load_json(config).get("model_type") == "marian"
+
+
 def _refuse_variants(hf: dict[str, Any]) -> None:
     """One line for each Marian variant that qkv's Transformer cannot express."""
     for flag in ("normalize_before", "layernorm_embedding", "add_final_layer_norm"):  # pre-norm, embedding norms

@@ -1,6 +1,7 @@
 """MarianMT's tokenizer: two SentencePiece models and one vocabulary, used as transformers' MarianTokenizer uses them.
 
     source text → source.spm pieces → ids through vocab.json (a piece it lacks → <unk>) + </s>
+    target text → target.spm pieces → ids the same way (target_vocab.json with separate vocabularies): labels
     target ids  → pieces through vocab.json (target_vocab.json with separate vocabularies) → text via target.spm
 
 The SentencePiece models only cut text into pieces (and join them back): the ids are vocab.json's, the
@@ -20,6 +21,7 @@ from typing import Any
 from qkv.errors import QkvError
 from qkv.extras import require
 from qkv.io.files import load_json
+from qkv.tokenizers.base import Tokenizer
 
 SOURCE_SPM, TARGET_SPM = "source.spm", "target.spm"
 VOCAB_FILE, TARGET_VOCAB_FILE = "vocab.json", "target_vocab.json"
@@ -39,8 +41,10 @@ def _token_name(value: Any, default: str) -> str:
     return value if isinstance(value, str) else default
 
 
-class MarianTokenizer:
+class MarianTokenizer(Tokenizer):
     """Source text → ids and target ids → text, as transformers' MarianTokenizer does it."""
+
+    kind = "marian"
 
     def __init__(self, directory: str | Path) -> None:
         spm = require("sentencepiece", "translate", "Marian tokenizers")
@@ -50,8 +54,8 @@ class MarianTokenizer:
         config = load_json(self.directory / CONFIG_FILE) if (self.directory / CONFIG_FILE).is_file() else {}
         self.separate_vocabs = bool(config.get("separate_vocabs", False))
         self.vocab: dict[str, int] = load_json(self.directory / VOCAB_FILE, "vocabulary")
-        target_vocab = load_json(self.directory / TARGET_VOCAB_FILE) if self.separate_vocabs else self.vocab
-        self.pieces = {i: piece for piece, i in target_vocab.items()}  # target id → piece
+        self.target_vocab = load_json(self.directory / TARGET_VOCAB_FILE) if self.separate_vocabs else self.vocab
+        self.pieces = {i: piece for piece, i in self.target_vocab.items()}  # target id → piece
         names = {key: _token_name(config.get(f"{key}_token"), f"<{key}>") for key in ("unk", "pad")}
         eos = _token_name(config.get("eos_token"), "</s>")
         for name in (eos, names["unk"], names["pad"]):
@@ -83,23 +87,32 @@ class MarianTokenizer:
         """Id of <pad>."""
         return self.vocab[self.pad]
 
-    def _pieces(self, text: str) -> list[str]:
-        """A text without special tokens as source pieces; a leading >>code<< stays one piece."""
+    @staticmethod
+    def _pieces(text: str, spm: Any) -> list[str]:
+        """A text without special tokens as pieces of `spm`; a leading >>code<< stays one piece."""
         code = []
         end = text.find("<<")
         if text.startswith(">>") and end != -1:
             code, text = [text[: end + 2]], text[end + 2 :]
-        return code + list(self.source_spm.encode(text, out_type=str))
+        return code + list(spm.encode(text, out_type=str))
 
-    def encode(self, text: str) -> list[int]:
-        """Source ids of `text`, without </s> (the translator appends it)."""
+    def _ids(self, text: str, spm: Any, vocab: dict[str, int]) -> list[int]:
+        """Ids of `text` cut by `spm` and looked up in `vocab` (a piece it lacks → <unk>)."""
         ids = []
         for part in self._special_split.split(text):  # special tokens' strings are those tokens
             if part in (self.eos, self.unk, self.pad):
-                ids.append(self.vocab[part])
+                ids.append(vocab[part])
             elif part:
-                ids += [self.vocab.get(piece, self.unk_id) for piece in self._pieces(part)]
+                ids += [vocab.get(piece, vocab[self.unk]) for piece in self._pieces(part, spm)]
         return ids
+
+    def encode(self, text: str) -> list[int]:
+        """Source ids of `text`, without </s> (the translator appends it)."""
+        return self._ids(text, self.source_spm, self.vocab)
+
+    def encode_target(self, text: str) -> list[int]:
+        """Target ids of `text`, without </s>: transformers' labels (text_target=), less their </s>."""
+        return self._ids(text, self.target_spm, self.target_vocab)
 
     def source_ids(self, text: str) -> list[int]:
         """What the model reads for `text`: its ids and </s> (transformers' input_ids)."""
@@ -119,6 +132,11 @@ class MarianTokenizer:
                 pieces.append(piece)
         return str(self.target_spm.decode_pieces(pieces)).replace(SPIECE_UNDERLINE, " ").strip()
 
+    @classmethod
+    def load(cls, directory: Path) -> MarianTokenizer:
+        """The tokenizer whose files are in `directory`."""
+        return cls(directory)
+
     def save(self, directory: str | Path) -> None:
         """Copy the tokenizer's files into `directory` (transformers' MarianTokenizer reads them there)."""
         directory = Path(directory)
@@ -131,3 +149,13 @@ class MarianTokenizer:
     def __repr__(self) -> str:
         """Short description."""
         return f"MarianTokenizer({str(self.directory)!r}, vocab_size={self.vocab_size})"
+
+
+def read_tokenizer(directory: str | Path) -> Tokenizer | None:
+    """A model or run directory's tokenizer: MarianMT's (source.spm, …), qkv's (tokenizer.json), or None."""
+    from qkv.tokenizers import load_tokenizer
+    from qkv.tokenizers.base import TOKENIZER_FILE
+
+    if is_marian_tokenizer_dir(directory):
+        return MarianTokenizer(directory)
+    return load_tokenizer(Path(directory)) if (Path(directory) / TOKENIZER_FILE).is_file() else None

@@ -84,6 +84,14 @@ def migrate_config(config: dict[str, Any]) -> dict[str, Any]:
         if owner == task and old in training:
             training[new] = training.pop(old)
     training.pop("resume", None)  # how the run was last started, not a setting of the run
+    # Settings added since, whose defaults are not what those runs did: every run before them used AdamW, and
+    # every translation run before --corpus trained on the Ding sentences. A run on a pairs file has no corpus.
+    training.setdefault("optimizer", "adamw")
+    if task == "translate":
+        if training.get("data") is None:
+            training.setdefault("corpus", "ding")
+        else:
+            training.pop("corpus", None)
     config["training"] = training
     return config
 

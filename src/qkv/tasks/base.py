@@ -11,9 +11,15 @@ import torch
 from qkv.errors import QkvError
 from qkv.io.run_dir import load_run_weights, read_run_config
 from qkv.models import QkvModel, build_model, config_from_dict
-from qkv.tokenizers import Tokenizer, load_tokenizer
-from qkv.tokenizers.base import TOKENIZER_FILE
+from qkv.tokenizers import Tokenizer
 from qkv.training import RunConfig
+
+
+def read_tokenizer(directory: Path) -> Tokenizer | None:
+    """A run directory's tokenizer: qkv's (tokenizer.json), a MarianMT model's it was fine-tuned from, or None."""
+    from qkv.interop.marian_tokenizer import read_tokenizer as read_any  # imports no optional package
+
+    return read_any(directory)
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,7 @@ class LoadedRun:
         stored = read_run_config(directory) if stored is None else stored
         model = build_model(config_from_dict(stored["model_type"], stored["model"]))
         load_run_weights(model, directory, checkpoint)
-        tokenizer = load_tokenizer(directory) if (Path(directory) / TOKENIZER_FILE).is_file() else None
+        tokenizer = read_tokenizer(directory)
         config = cls.config_class.from_dict(stored["training"])
         return cls(model.to(device).eval(), tokenizer, config, Path(directory), checkpoint)
 

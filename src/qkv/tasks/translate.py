@@ -1,11 +1,12 @@
 """The translation task (`qkv train translate`): the encoder–decoder Transformer of the paper, German → English.
 
-Data: an embedded corpus (the Ding dictionary's example sentences, or the Bible's verses), or a TSV file of
-source<TAB>target pairs;
-one byte-level BPE vocabulary for both sides, trained on the training split. Batches are buckets of
-pairs of similar length holding about batch_size tokens per side; the loss is label-smoothed
-cross-entropy per target token (padding excluded); the evaluation is the validation loss and the
-greedy BLEU of the validation pairs, and the best BLEU keeps model.safetensors.
+Data: the embedded corpora (the Ding dictionary's example sentences and the Bible's verses, together by
+default), or a TSV file of source<TAB>target pairs; one byte-level BPE vocabulary for both sides, trained
+on the training split (or the vocabulary of the run or MarianMT model that --init-from names). Batches are
+buckets of pairs of similar length holding about batch_size tokens per side; the loss is label-smoothed
+cross-entropy per target token (padding excluded); the evaluation is the validation loss and the greedy
+BLEU of the validation pairs, and the best BLEU keeps model.safetensors. The recipe trains the blocks'
+matrices with Muon (qkv.training.optim); benchmarks/TRANSLATION.md measures each of its choices.
 """
 
 from __future__ import annotations
@@ -22,30 +23,31 @@ from qkv.config import TransformerConfig
 from qkv.errors import QkvError
 from qkv.extras import require
 from qkv.models import Transformer
-from qkv.tasks.base import EvalOptions, LoadedRun
-from qkv.tokenizers import load_tokenizer
+from qkv.tasks.base import EvalOptions, LoadedRun, read_tokenizer
+from qkv.tokenizers import Tokenizer
 from qkv.training import Evaluation, RunConfig, Task, TrainResult, option
-from qkv.training.config import absolute, positive_int
+from qkv.training.config import OPTIMIZERS, absolute, positive_int
 from qkv.translation.batching import Seq2SeqBatch, Specials, batches_of, encode_pairs, length_buckets, make_batch
 from qkv.translation.bible import split_bible
-from qkv.translation.corpus import Splits, split_de_en, split_pairs_file
+from qkv.translation.corpus import Splits, combine, split_de_en, split_pairs_file
 from qkv.translation.decoding import COVERAGE_PENALTY, LENGTH_PENALTY, check_penalties, greedy_decode
-from qkv.translation.metrics import corpus_bleu, corpus_chrf
+from qkv.translation.metrics import corpus_bleu, corpus_chrf, paired_bootstrap_bleu
 from qkv.translation.run import Translator, rescored, specials_of, train_tokenizer
 from qkv.translation.step import batch_loss, evaluate_batches
 
 DEFAULT_VOCAB = 4000
-CORPORA = ("ding", "bible")  # the embedded German–English corpora (qkv/data/DE_EN.md, BIBLE.md)
+CORPORA = ("ding", "bible", "ding+bible")  # the embedded German–English corpora (qkv/data/DE_EN.md, BIBLE.md)
+DEFAULT_CORPUS = "ding+bible"  # everyday sentences and verses: the model learns both kinds of German
 
-# Sized for a 2-core CPU and a ≈ 12-minute budget: 2 + 2 layers × 128 wide, 1.44 M parameters with the shared
-# 4,000-token vocabulary (the README's translation section has the measurements behind each choice).
+# Sized for a 2-core CPU and a 15-minute budget: 2 + 2 layers × 128 wide, 1.44 M parameters with the shared
+# 4,000-token vocabulary (benchmarks/TRANSLATION.md has the measurements behind each choice).
 DEFAULT_MODEL: dict[str, Any] = {
     "d_model": 128,
     "n_heads": 4,
     "d_ff": 512,
     "n_encoder_layers": 2,
     "n_decoder_layers": 2,
-    "dropout": 0.1,  # without it the cosine run overfits; the paper's 0.1 keeps the loss falling to the end
+    "dropout": 0.0,  # ~6 passes over 46k pairs do not overfit, and a step without dropout's masks is 25 % faster
     "attention_dropout": 0.0,  # as in the paper; it also lets the fused attention kernel train on a CPU
     "norm_placement": "pre",  # stable at a higher learning rate than the paper's post-norm in short runs
 }
@@ -60,23 +62,25 @@ class TranslateConfig(RunConfig):
     default_model: ClassVar[dict[str, Any]] = DEFAULT_MODEL
 
     model: dict[str, Any] = option(factory=dict, help="TransformerConfig fields over the recipe's", fixed=True)
-    corpus: str = option("ding", "the embedded corpus: the Ding sentences or the Bible's verses", fixed=True,
-                         choices=CORPORA)  # fmt: skip
+    corpus: str = option(DEFAULT_CORPUS, "the embedded corpus: the Ding sentences, the Bible's verses, or both",
+                         fixed=True, choices=CORPORA)  # fmt: skip
     data: str | None = option(None, "a UTF-8 file of source<TAB>target pairs (none: the embedded --corpus)",
                               fixed=True)  # fmt: skip
     src_lang: str = option("de", "the source language's label, for display")
     tgt_lang: str = option("en", "the target language's label, for display")
-    init_from: str | None = option(None, "start from this translation run's weights, model and tokenizer (none: "
-                                   "from scratch)", fixed=True)  # fmt: skip
+    init_from: str | None = option(None, "start from the weights, model and tokenizer of this translation run or "
+                                   "MarianMT (OPUS-MT) directory (none: from scratch)", fixed=True)  # fmt: skip
     vocab_size: int = option(DEFAULT_VOCAB, "the shared byte-level BPE vocabulary's size", fixed=True)
     batch_size: int = option(1500, "padded tokens per side, per micro-batch and process", fixed=True)
-    max_steps: int = option(4400, "optimiser steps (the schedule's length)")
+    max_steps: int = option(4000, "optimiser steps (the schedule's length)")
     max_time: float | None = option(840.0, "stop after this many seconds, evaluations included (none: no limit)")
     min_lr: float | None = option(0.0, "final learning rate")
     warmup_steps: int = option(200, "linear warmup steps")
+    optimizer: str = option("muon", "adamw, or muon: Muon for the blocks' matrices, AdamW for the rest", fixed=True,
+                            choices=OPTIMIZERS)  # fmt: skip
     beta2: float = option(0.98, "AdamW β₂ (the paper's)")
     label_smoothing: float = option(0.1, "label smoothing ε (the paper's)")
-    eval_interval: int = option(1100, "steps between evaluations (each decodes the validation pairs)")
+    eval_interval: int = option(2000, "steps between evaluations (each decodes the validation pairs)")
     beam_size: int = option(4, "beam size of `qkv translate` and `qkv eval` (1 = greedy)")
     length_penalty: float = option(LENGTH_PENALTY, "beam search: GNMT's length penalty α")
     coverage_penalty: float = option(COVERAGE_PENALTY, "beam search: GNMT's coverage penalty β (unattended "
@@ -93,7 +97,7 @@ class TranslateConfig(RunConfig):
         reserved = sorted({"src_vocab_size", "tgt_vocab_size", "pad_id", "share_embeddings"} & set(self.model))
         if reserved:
             raise QkvError(f"{', '.join(reserved)}: set by the task (one shared vocabulary); use --vocab-size")
-        if self.data is not None and self.corpus != "ding":
+        if self.data is not None and self.corpus != DEFAULT_CORPUS:
             raise QkvError("--data and --corpus both name the training pairs; give one")
         if self.init_from is not None and (self.model != self.default_model or self.vocab_size != DEFAULT_VOCAB):
             raise QkvError("--init-from takes the model and vocabulary of the run it names; leave --vocab-size and "
@@ -104,7 +108,32 @@ class TranslateConfig(RunConfig):
         """The run's train / validation / test pairs."""
         if self.data is not None:
             return split_pairs_file(self.data)
-        return split_de_en() if self.corpus == "ding" else split_bible()
+        corpora = {name: split() for name, split in (("bible", split_bible), ("ding", split_de_en))
+                   if name in self.corpus.split("+")}  # fmt: skip
+        return combine(corpora) if len(corpora) > 1 else next(iter(corpora.values()))
+
+
+def starting_point(path: str) -> tuple[Transformer, Tokenizer]:
+    """The model and tokenizer that --init-from names: a translation run's, or a MarianMT (OPUS-MT) directory's."""
+    from qkv.interop.marian import is_marian_dir
+
+    if not is_marian_dir(path):
+        from qkv.tasks import load  # the registry imports this module
+
+        run = load(path, expect="translate")
+        return run.model, run.require_tokenizer()
+    from qkv.interop import from_hf
+    from qkv.interop.marian import generation_settings
+    from qkv.interop.marian_tokenizer import MarianTokenizer
+
+    tokenizer, gen = MarianTokenizer(path), generation_settings(path)
+    if (gen.pad, gen.start, gen.eos) != (tokenizer.pad_id, tokenizer.pad_id, tokenizer.eos_id):
+        raise QkvError(f"{path}: qkv fine-tunes Marian models whose decoder starts with <pad> "
+                       f"({tokenizer.pad_id}) and ends with </s> ({tokenizer.eos_id}); this one has start "
+                       f"{gen.start}, pad {gen.pad}, end {gen.eos}")  # fmt: skip
+    model = from_hf(path)
+    assert isinstance(model, Transformer)
+    return model, tokenizer
 
 
 def validation_bleu(model: Transformer, batches: list[Seq2SeqBatch], translator: Translator) -> float:
@@ -133,27 +162,26 @@ class TranslateTask(Task):
         self.val_batches: list[Seq2SeqBatch] = []
         self.specials = Specials()
         self._buckets: dict[tuple[int, int], list[list[int]]] = {}
-        self.initial: TranslationRun | None = None  # the run --init-from names (a new run only)
+        self.initial: Transformer | None = None  # the model --init-from names (a new run only)
 
     @classmethod
     def run_name(cls, cfg: RunConfig) -> str:
-        """de-en for the Ding sentences, bible-de-en for the Bible, else the pairs file's name."""
+        """de-en for the Ding sentences, bible-de-en for the Bible (ding-bible-de-en for both), else the file's name."""
         assert isinstance(cfg, TranslateConfig)
         if cfg.data is not None:
             return Path(cfg.data).stem
-        return "de-en" if cfg.corpus == "ding" else f"{cfg.corpus}-de-en"
+        return "de-en" if cfg.corpus == "ding" else f"{cfg.corpus.replace('+', '-')}-de-en"
 
     def setup(self, run_dir: Path, resume: bool) -> None:
         """Split the pairs, train the shared BPE on the training split (or load the run's), tokenize both splits."""
         require("sacrebleu", "translate", "validation BLEU")  # fail now, not at the first evaluation
         splits = self.cfg.splits()
         if resume:
-            self.tokenizer = load_tokenizer(run_dir)
+            self.tokenizer = read_tokenizer(run_dir)
+            if self.tokenizer is None:
+                raise QkvError(f"{run_dir} has no tokenizer: it is not a translation run to --resume")
         elif self.cfg.init_from is not None:
-            from qkv.tasks import load  # the registry imports this module
-
-            self.initial = load(self.cfg.init_from, expect="translate")
-            self.tokenizer = self.initial.require_tokenizer()
+            self.initial, self.tokenizer = starting_point(self.cfg.init_from)
         else:  # the vocabulary sees the training split only, both languages
             self.tokenizer = train_tokenizer([s for pair in splits.train for s in pair], self.cfg.vocab_size)
         self.specials = specials_of(self.tokenizer)
@@ -171,7 +199,7 @@ class TranslateTask(Task):
     def new_model_config(self) -> TransformerConfig:
         """An encoder–decoder over the shared vocabulary, its embeddings shared and tied to the output layer."""
         if self.initial is not None:
-            return self.initial.model.cfg
+            return self.initial.cfg
         model_cfg = self.cfg.build_model_config(**self._vocabulary())
         assert isinstance(model_cfg, TransformerConfig)
         return model_cfg
@@ -181,7 +209,7 @@ class TranslateTask(Task):
         model = super().build_model()
         assert isinstance(model, Transformer)
         if self.initial is not None:
-            model.load_state_dict(self.initial.model.state_dict())
+            model.load_state_dict(self.initial.state_dict())
         return model
 
     def describe(self) -> str:
@@ -250,17 +278,25 @@ class TranslationRun(LoadedRun):
         return Translator(self.model, tokenizer, specials_of(tokenizer), alpha, beta)
 
     def evaluate(self, options: EvalOptions) -> list[str]:
-        """Test-split BLEU and chrF (sacrebleu, detokenised), greedy and beam; the held-out books too, if any."""
+        """BLEU and chrF (sacrebleu, detokenised), greedy and beam, on each test split of the run's corpus.
+
+        With a beam, a last line per split says by how much it beats greedy decoding, with the 95 % interval
+        of a paired bootstrap: whether the difference is more than the test set's noise.
+        """
         translator = rescored(self.translator(options.length_penalty, options.coverage_penalty), options.beam_scoring,
                               options.length_penalty, options.coverage_penalty)  # fmt: skip
-        splits = self.config.splits()
         lines = []
-        for split, pairs in (("test", splits.test), ("books", splits.test_books)):
+        for split, pairs in self.config.splits().tests.items():
             sources, references = [src for src, _ in pairs], [tgt for _, tgt in pairs]
-            for beam in sorted({1, options.beam}) if pairs else ():
-                hyps = translator.translate(sources, beam, options.batch_size)
+            outputs = {
+                beam: translator.translate(sources, beam, options.batch_size) for beam in sorted({1, options.beam})
+            }
+            for beam, hyps in outputs.items():
                 name = "greedy" if beam == 1 else f"beam {beam}"
                 lines.append(f"{split} {name:>7}: BLEU {corpus_bleu(hyps, references):5.2f}  "
                              f"chrF {corpus_chrf(hyps, references):5.2f}  ({len(pairs)} sentences, "
                              f"{self.checkpoint} weights)")  # fmt: skip
+            if options.beam > 1:
+                gain = paired_bootstrap_bleu(outputs[1], outputs[options.beam], references)
+                lines.append(f"{split} beam {options.beam} − greedy: {gain}")
         return lines

@@ -18,7 +18,7 @@ CONFIG_FILE = "tokenizer_config.json"
 class Tokenizer(ABC):
     """Maps text to a list of integer token ids and back."""
 
-    kind: ClassVar[str]  # "char" or "bpe": what load_tokenizer dispatches on
+    kind: ClassVar[str]  # "char" or "bpe": what load_tokenizer dispatches on ("marian": qkv.interop's)
 
     @property
     @abstractmethod
@@ -33,6 +33,10 @@ class Tokenizer(ABC):
     @abstractmethod
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`."""
+
+    def encode_target(self, text: str) -> list[int]:
+        """Token ids of a translation's target-side text: encode's, unless each side has its own model (MarianMT)."""
+        return self.encode(text)
 
     @abstractmethod
     def decode(self, ids: Sequence[int]) -> str:

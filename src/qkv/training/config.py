@@ -21,6 +21,7 @@ from qkv.errors import QkvError
 from qkv.io.devices import DTYPES
 from qkv.training.schedule import SCHEDULE_KINDS
 
+OPTIMIZERS = ("adamw", "muon")  # qkv.training.optim
 STRATEGIES = ("ddp", "fsdp")  # how several processes (torchrun, --nproc) share the work
 
 
@@ -59,6 +60,8 @@ class RunConfig:
     min_lr: float | None = option(None, "final learning rate (none: lr / 20)")
     warmup_steps: int = option(100, "linear warmup steps")
     schedule: str = option("cosine", "the decay after warmup", choices=SCHEDULE_KINDS)
+    optimizer: str = option("adamw", "adamw, or muon: Muon for the blocks' matrices, AdamW for the rest", fixed=True,
+                            choices=OPTIMIZERS)  # fmt: skip
     weight_decay: float = option(0.1, "AdamW weight decay on matrices")
     beta1: float = option(0.9, "AdamW β₁")
     beta2: float = option(0.99, "AdamW β₂")
@@ -113,6 +116,9 @@ class RunConfig:
             raise QkvError(f"min-lr must be in [0, lr={self.lr}], got {self.min_lr}")
         if self.compile and self.strategy == "fsdp":  # dynamo would have to trace FSDP's gather hooks
             raise QkvError("--compile works with one process or --strategy ddp, not with --strategy fsdp")
+        if self.optimizer == "muon" and self.strategy == "fsdp":  # each rank holds a shard, not whole matrices
+            raise QkvError("--optimizer muon orthogonalises whole matrices: use one process or --strategy ddp, "
+                           "not --strategy fsdp")  # fmt: skip
 
     def _check_model(self) -> None:
         """Lay the given model fields over the task's recipe, refusing names its model config does not have."""

@@ -2,7 +2,7 @@
 
 A task says what differs (its data, model, batches, loss, evaluation, best checkpoint and final
 report: qkv.training.task). This loop owns everything else:
-- the optimiser (AdamW, decay on matrices only) and the learning-rate schedule;
+- the optimiser (AdamW, or Muon for the blocks' matrices: qkv.training.optim) and the learning-rate schedule;
 - gradient accumulation, with the loss normalised by the target positions of the whole step, over
   every micro-batch and every process, so that 2 micro-batches of B train exactly like one batch of 2B;
 - the autocast dtype, torch.compile, and DDP/FSDP under torchrun (qkv.training.distributed);
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from qkv.errors import QkvError
-from qkv.io.devices import autocast_context, cpu_threads, resolve_device
+from qkv.io.devices import autocast_context, cpu_threads, keep_freed_memory, resolve_device
 from qkv.io.files import atomic_save_safetensors
 from qkv.io.run_dir import (
     BEST_FILE,
@@ -44,7 +44,7 @@ from qkv.models import model_type_of
 from qkv.training import distributed
 from qkv.training.checkpoint import load_training_state, save_training_state
 from qkv.training.config import RunConfig
-from qkv.training.optim import apply_settings, chosen_kernels, make_optimizer
+from qkv.training.optim import apply_settings, group_settings, make_optimizer
 from qkv.training.plots import plot_losses
 from qkv.training.progress import Progress
 from qkv.training.schedule import LRSchedule
@@ -93,6 +93,8 @@ def fit(task: type[Task], cfg: RunConfig, verbose: bool = True, hooks: Hooks | N
     if stored is not None:
         cfg = cfg.resumed_from(stored["training"])  # its settings, with the ones given laid over them
     with distributed.process_group(resolve_device(cfg.device), cfg.strategy, cfg.dist_timeout) as ctx:
+        if ctx.device.type == "cpu":
+            keep_freed_memory()
         run_dir = Path(cfg.out_dir) if cfg.out_dir else Path(distributed.agree(str(default_run_dir(task, cfg)), ctx))
         if run_dir.exists() and not run_dir.is_dir():
             raise QkvError(f"--out-dir {run_dir} is a file; give a directory (a new one, or a run to --resume)")
@@ -172,12 +174,12 @@ class _Trainer:
 
     def _restore(self) -> None:
         """Load the last checkpoint: weights, optimiser, RNGs, the data generator and the counters."""
-        kernels = chosen_kernels(self.optimizer)  # the stored param groups would bring back the old ones
+        settings = group_settings(self.optimizer)  # the stored param groups would bring back the old ones
         consolidated = distributed.ConsolidatedOptimizer(self.model, self.optimizer, self.ctx)
         state, extra = load_training_state(self.run_dir, consolidated, {"data": self.data_gen})
         check_weights(self.model, state, self.run_dir / LAST_FILE)
         distributed.load_full_model_state(self.model, state, self.ctx)
-        apply_settings(self.optimizer, self.cfg, kernels)  # settings given on resume replace the stored ones
+        apply_settings(self.optimizer, settings)  # settings given on resume replace the stored ones
         extra = migrate_state(extra)
         self.state = _Progress(extra["step"], extra["tokens_seen"], extra["elapsed_s"],
                                extra["elapsed_s"] - extra["train_s"], extra["best"],

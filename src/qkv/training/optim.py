@@ -1,16 +1,34 @@
-"""The optimiser: AdamW with weight decay on matrices only (not biases, norms, gains)."""
+"""The optimisers: AdamW with weight decay on matrices only, or Muon for the blocks' matrices and AdamW for the rest.
+
+Muon (Jordan et al., 2024, "Muon: An optimizer for hidden layers in neural networks") replaces each hidden
+matrix's update by the nearest semi-orthogonal matrix to its Nesterov momentum: every direction of the update
+gets the same step size, however small its gradient was. Embeddings, the output layer, norms and biases keep
+AdamW, as in Jordan's recipe. The orthogonalisation is five Newton–Schulz iterations, batched over matrices of
+one shape; its step is scaled so that its RMS matches AdamW's (Liu et al., 2025, "Muon is Scalable for LLM
+Training"), so AdamW's learning rate and weight decay carry over. PyTorch's own torch.optim.Muon runs the
+iterations in bfloat16, matrix by matrix, which is slow on CPUs; on CUDA this one uses bfloat16 as well.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+
+from qkv.blocks import DecoderLayer, EncoderLayer
+
+MUON_MOMENTUM = 0.95
+NEWTON_SCHULZ_STEPS = 5
+NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)  # Jordan's quintic: steepest at 0 while still converging near 1
 
 
 class OptimizerSettings(Protocol):
     """What make_optimizer reads from a run config."""
 
+    optimizer: str
     lr: float
     weight_decay: float
     beta1: float
@@ -18,33 +36,99 @@ class OptimizerSettings(Protocol):
     fused_optimizer: bool
 
 
+def orthogonalize(updates: Tensor, steps: int = NEWTON_SCHULZ_STEPS) -> Tensor:
+    """(N, A, B) matrices → approximately their nearest semi-orthogonal ones (U Vᵀ of each SVD U S Vᵀ).
+
+    Newton–Schulz iterations X ← aX + (b XXᵀ + c (XXᵀ)²) X push every singular value towards 1 (to within
+    about ±0.3, which Muon does not need finer) once X is scaled so that none exceeds 1.
+    """
+    a, b, c = NEWTON_SCHULZ
+    dtype = torch.bfloat16 if updates.is_cuda else torch.float32  # bfloat16 matmuls are slow on many CPUs
+    tall = updates.shape[-2] > updates.shape[-1]
+    x = (updates.mT if tall else updates).to(dtype)  # (N, short side, long side): the Gram matrix is the small one
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-7)  # the Frobenius norm bounds every singular value
+    for _ in range(steps):
+        gram = x @ x.mT  # (N, short, short)
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return (x.mT if tall else x).to(updates.dtype)
+
+
+class MuonAdamW(torch.optim.AdamW):
+    """AdamW, whose param groups marked muon=True take Muon's step instead.
+
+    Muon's parameters hand their gradients over (step() sets them to None), so AdamW's step skips them;
+    their state is a momentum buffer and a step count each, in the same state dict as AdamW's moments.
+    """
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One Muon step for the muon groups, then AdamW's for the others."""
+        for group in self.param_groups:
+            if group.get("muon"):
+                self._muon_step(group)
+        return super().step(closure)
+
+    def _muon_step(self, group: dict[str, Any]) -> None:
+        """Nesterov momentum, orthogonalised per matrix (batched by shape), with decoupled weight decay."""
+        momentum, lr, decay = group["momentum"], group["lr"], group["weight_decay"]
+        by_shape: dict[torch.Size, list[tuple[Tensor, Tensor]]] = {}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                # A step count as AdamW's parameters have (a tensor), which AdamW's load_state_dict expects of all
+                state["step"], state["momentum_buffer"] = torch.tensor(0.0), torch.zeros_like(p)
+            state["step"] += 1
+            buffer = state["momentum_buffer"]
+            buffer.lerp_(p.grad, 1 - momentum)
+            by_shape.setdefault(p.shape, []).append((p, p.grad.lerp_(buffer, momentum)))  # Nesterov's look-ahead
+            p.grad = None
+        for shape, items in by_shape.items():
+            orthogonal = orthogonalize(torch.stack([update for _, update in items]))
+            scale = 0.2 * math.sqrt(max(shape))  # an update of RMS 0.2, AdamW's typical (Liu et al.)
+            for (p, _), update in zip(items, orthogonal, strict=True):
+                p.mul_(1 - lr * decay).add_(update, alpha=-lr * scale)
+
+
+def block_matrices(model: nn.Module) -> list[nn.Parameter]:
+    """The hidden matrices Muon trains: the 2-D weights of the encoder and decoder layers (attention, FFN)."""
+    layers = [m for m in model.modules() if isinstance(m, (EncoderLayer, DecoderLayer))]
+    found = {id(p): p for layer in layers for p in layer.parameters() if p.dim() == 2 and p.requires_grad}
+    return list(found.values())
+
+
 def make_optimizer(model: nn.Module, cfg: OptimizerSettings) -> torch.optim.AdamW:
-    """AdamW, decay on matrices only; PyTorch's fused kernel where it has one and cfg.fused_optimizer asks."""
+    """AdamW (decay on matrices only) or, with cfg.optimizer "muon", Muon for the block matrices and AdamW after.
+
+    PyTorch's fused AdamW kernel runs where it has one and cfg.fused_optimizer asks.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    muon = block_matrices(model) if cfg.optimizer == "muon" else []
+    taken = {id(p) for p in muon}
+    adamw = [p for p in params if id(p) not in taken]
+    groups: list[dict[str, Any]] = [
+        {"params": [p for p in adamw if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in adamw if p.dim() < 2], "weight_decay": 0.0},
     ]
+    kind: type[torch.optim.AdamW] = torch.optim.AdamW
+    if muon:
+        groups.insert(0, {"params": muon, "weight_decay": cfg.weight_decay, "muon": True, "momentum": MUON_MOMENTUM})
+        kind = MuonAdamW
     if cfg.fused_optimizer:
         try:
-            return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
+            return kind(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
         except (RuntimeError, TypeError):
             pass  # no fused kernel for this device or dtype
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
+    return kind(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
 
 
-KERNELS = ("fused", "foreach")  # which implementation of AdamW a param group runs
+def group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Every param group's settings but its parameters: what this run's config made (kernels, decay, betas, …)."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
 
-def chosen_kernels(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """The implementation each param group of a freshly made optimizer runs (fused or foreach)."""
-    return [{k: group.get(k) for k in KERNELS} for group in optimizer.param_groups]
-
-
-def apply_settings(optimizer: torch.optim.Optimizer, cfg: OptimizerSettings, kernels: list[dict[str, Any]]) -> None:
-    """Betas, weight decay and kernels from this run's config, over the ones a resumed state brought back."""
-    decay, no_decay = optimizer.param_groups
-    decay["weight_decay"], no_decay["weight_decay"] = cfg.weight_decay, 0.0
-    for group, kernel in zip(optimizer.param_groups, kernels, strict=True):
-        group["betas"] = (cfg.beta1, cfg.beta2)
-        group.update(kernel)
+def apply_settings(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]]) -> None:
+    """Lay group_settings of a fresh optimizer over the groups a resumed state brought back (its moments stay)."""
+    for group, own in zip(optimizer.param_groups, settings, strict=True):
+        group.update(own)

@@ -43,8 +43,12 @@ class Seq2SeqBatch:
 
     @property
     def tgt_mask(self) -> Tensor:
-        """(B, 1, 1, T), True on real target tokens (the causal mask is added by the decoder)."""
-        return padding_mask_from_ids(self.tgt_in, self.pad)
+        """(B, 1, 1, T), True on real target tokens (the causal mask is added by the decoder).
+
+        Read off tgt_out, whose position i is real exactly when tgt_in's is: a decoder that starts with
+        <pad> itself (MarianMT) must still see its start token.
+        """
+        return padding_mask_from_ids(self.tgt_out, self.pad)
 
     @property
     def n_tokens(self) -> int:
@@ -109,7 +113,7 @@ def encode_pairs(
     tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]], max_len: int
 ) -> list[tuple[list[int], list[int]]]:
     """Token ids of (source, target) pairs, each side cut to max_len − 1 tokens (room for <s> or </s>)."""
-    return [(tokenizer.encode(src)[: max_len - 1], tokenizer.encode(tgt)[: max_len - 1]) for src, tgt in pairs]
+    return [(tokenizer.encode(src)[: max_len - 1], tokenizer.encode_target(tgt)[: max_len - 1]) for src, tgt in pairs]
 
 
 def batches_of(pairs: Pairs, max_tokens: int, sp: Specials) -> list[Seq2SeqBatch]:

@@ -107,9 +107,9 @@ def load_bible() -> tuple[Verse, ...]:
 
 
 def split_bible(verses: tuple[Verse, ...] | None = None) -> Splits:
-    """Held-out books as `test_books`; the rest: a seeded 1,000-verse test split, 1,000 validation, the rest train."""
+    """Held-out books as the test split "books"; the rest: a seeded 1,000-verse "test", 1,000 validation, training."""
     verses = load_bible() if verses is None else verses
     held_out = [(v.german, v.english) for v in verses if v.key[0] in HELD_OUT_BOOKS]
     rest = [(v.german, v.english) for v in verses if v.key[0] not in HELD_OUT_BOOKS]
     splits = split_pairs(rest, TEST_SIZE)
-    return Splits(train=splits.train, val=splits.val, test=splits.test, test_books=held_out)
+    return Splits(train=splits.train, val=splits.val, tests={"test": splits.tests["test"], "books": held_out})

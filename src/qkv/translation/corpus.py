@@ -91,14 +91,25 @@ def load_de_en() -> tuple[tuple[str, str], ...]:
     return tuple((de, en) for de, en in (row.split("\t") for row in rows))
 
 
+Pairs = list[tuple[str, str]]
+
+
 @dataclass(frozen=True)
 class Splits:
-    """Train / validation / test sentence pairs, and a second test split of held-out books where a corpus has one."""
+    """Train and validation sentence pairs, and the named test splits that `qkv eval` reports."""
 
-    train: list[tuple[str, str]]
-    val: list[tuple[str, str]]
-    test: list[tuple[str, str]]
-    test_books: list[tuple[str, str]] = field(default_factory=list)
+    train: Pairs
+    val: Pairs
+    tests: dict[str, Pairs] = field(default_factory=dict)  # "test": a random sample; "books": held-out books
+
+
+def combine(corpora: dict[str, Splits]) -> Splits:
+    """Several corpora as one: their training and validation pairs pooled, each test split named by its corpus."""
+    return Splits(
+        train=[p for s in corpora.values() for p in s.train],
+        val=[p for s in corpora.values() for p in s.val],
+        tests={f"{name} {test}": pairs for name, s in corpora.items() for test, pairs in s.tests.items()},
+    )
 
 
 def split_pairs(pairs: Sequence[tuple[str, str]], held_out: int, seed: int = SPLIT_SEED) -> Splits:
@@ -106,7 +117,7 @@ def split_pairs(pairs: Sequence[tuple[str, str]], held_out: int, seed: int = SPL
     order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed)).tolist()
     shuffled = [pairs[i] for i in order]
     test, val = shuffled[:held_out], shuffled[held_out : 2 * held_out]
-    return Splits(train=shuffled[2 * held_out :], val=val, test=test)
+    return Splits(train=shuffled[2 * held_out :], val=val, tests={"test": test})
 
 
 def split_de_en(pairs: tuple[tuple[str, str], ...] | None = None) -> Splits:

@@ -42,6 +42,10 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> ByteBPETokenizer:
 
 def specials_of(tokenizer: Tokenizer) -> Specials:
     """The special ids of a translation tokenizer (checked, so a foreign tokenizer fails clearly)."""
+    if getattr(tokenizer, "kind", None) == "marian":  # qkv.interop's MarianTokenizer
+        pad, eos = getattr(tokenizer, "pad_id"), tokenizer.eos_id  # noqa: B009 (pad_id: Marian's, not a Tokenizer's)
+        assert eos is not None  # MarianTokenizer checks its </s> when it loads
+        return Specials(pad=pad, bos=pad, eos=eos)  # OPUS-MT starts the decoder with <pad> (decoder_start_token_id)
     if not isinstance(tokenizer, ByteBPETokenizer):
         raise QkvError("a translation run needs its byte-level BPE tokenizer")
     ids = [tokenizer.hf_tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
