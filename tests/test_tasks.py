@@ -1,8 +1,9 @@
 """The one training loop, task by task: every loop feature works for lm, translate, mlm, copy and reverse.
 
 Each run is tiny (one-layer models on small data, dropout 0; translation with its default optimiser, Muon for
-the blocks' matrices); translation batches are buckets of pairs of varied length, the copy and reverse sequences have lengths 3-8, and the loss is normalised by the target
-positions of the whole step, across micro-batches and processes. For every task:
+the blocks' matrices); translation batches are buckets of pairs of varied length, the copy and reverse
+sequences have lengths 3-8, and the loss is normalised by the target positions of the whole step, across
+micro-batches and processes. For every task:
 - 2 micro-batches of B train exactly like one batch of 2B (weights to 1e-6 after 3 steps);
 - SIGKILL, then --resume, gives weights and optimizer state bit-identical to an uninterrupted run, also
   when the kill lands in the middle of writing a checkpoint;
