@@ -15,6 +15,9 @@ machine can beat it, so it tells how much of the gap to any other implementation
 Hence --dtypes: in bfloat16 each weight is 2 bytes instead of 4, so a decoder bound by memory runs up to 2× faster.
 Both implementations are measured in every dtype, on the same weights rounded the same way; the headline ratio is
 qkv in bfloat16 over transformers in float32 (its default), and the table shows transformers in bfloat16 too.
+The int8 row (skip it with --no-int8) is qkv with int8 weight-only Linears (`qkv generate --quantize int8`: one
+byte per weight, the tied head included; each product's input in bfloat16, everything else in float32), raced
+against transformers in float32; its ceiling is the same one-token pass through the int8 kernel.
 tests/test_interop_real.py checks that bfloat16 keeps a real model's greedy text (SmolLM2-135M).
 
     python benchmarks/decode.py                                   # batch 1 and 8, 256 new tokens, fp32 and bf16
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import sys
 import tempfile
 import time
@@ -40,6 +44,7 @@ from qkv.bench import save_report
 from qkv.generation import Sampling, generate
 from qkv.interop import save_hf
 from qkv.io import DTYPES
+from qkv.quantization import Int8Linear, quantize_int8
 
 GPT2_SMALL: dict[str, Any] = {
     "vocab_size": 50257, "n_layers": 12, "d_model": 768, "n_heads": 12, "max_positions": 1024,
@@ -60,22 +65,55 @@ def _timed(fn: Callable[[], Tensor], device: torch.device) -> tuple[float, Tenso
 
 
 @torch.inference_mode()
-def weight_read_bound(model: nn.Module, device: torch.device, repeats: int = 10) -> float:
+def weight_read_bound(model: nn.Module, device: torch.device, dtype: torch.dtype, repeats: int = 10) -> float:
     """Tokens/s of a step that only multiplies one token by each weight matrix once (the memory-bound ceiling)."""
-    weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Linear)}  # a tied head once
-    inputs = {w.shape[1]: torch.randn(1, w.shape[1], device=device, dtype=w.dtype) for w in weights.values()}
+    layers: dict[int, Callable[[Tensor], Tensor]] = {}
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            layers[id(m.weight)] = functools.partial(F.linear, weight=m.weight)  # a tied head once
+        elif isinstance(m, Int8Linear):  # the same kernel a quantised decode step calls
+            layers[id(m)] = m
+    sizes = {id(m.weight) if isinstance(m, nn.Linear) else id(m): m.in_features for m in model.modules()
+             if isinstance(m, (nn.Linear, Int8Linear))}  # fmt: skip
+    inputs = {k: torch.randn(1, k, device=device, dtype=dtype) for k in set(sizes.values())}
     best = float("inf")
     for _ in range(repeats):
-        seconds, _ = _timed(lambda: torch.stack([F.linear(inputs[w.shape[1]], w).sum() for w in weights.values()]),
-                            device)  # fmt: skip
+        seconds, _ = _timed(lambda: torch.stack([f(inputs[sizes[key]]).sum() for key, f in layers.items()]), device)
         best = min(best, seconds)
     return 1.0 / best
 
 
+def _race(decoders: dict[str, Callable[[int], Tensor]], n: int, device: torch.device, repeats: int
+          ) -> tuple[dict[str, float], dict[str, Tensor]]:  # fmt: skip
+    """Best seconds of each decoder for n tokens, runs interleaved (a slow moment hits all alike), and outputs."""
+    for decode in decoders.values():
+        decode(2)  # warm-up: first-call allocations and kernel selection
+    best = dict.fromkeys(decoders, float("inf"))
+    outputs: dict[str, Tensor] = {}
+    for _ in range(repeats):
+        for name, decode in decoders.items():
+            seconds, outputs[name] = _timed(functools.partial(decode, n), device)
+            best[name] = min(best[name], seconds)
+    return best, outputs
+
+
+def _qkv_decoder(model: DecoderLM, ids: Tensor, cache: bool = True) -> Callable[[int], Tensor]:
+    """qkv greedy decoding of n tokens after ids."""
+    return lambda n: generate(model, ids, n, Sampling(temperature=0.0), use_cache=cache)
+
+
+def _hf_decoder(hf: Any, ids: Tensor) -> Callable[[int], Tensor]:
+    """transformers greedy decoding of exactly n tokens (no eos in the config, min = max)."""
+    mask = torch.ones_like(ids)
+    return lambda n: hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, use_cache=True, pad_token_id=0)  # fmt: skip
+
+
 @torch.no_grad()
 def measure(cfg: DecoderLMConfig, batch_sizes: list[int], prompt_len: int, new_tokens: int, uncached_tokens: int,
-            device: torch.device, dtypes: list[str], repeats: int = 2) -> dict[str, Any]:  # fmt: skip
-    """tokens/s of qkv (cache on / off) and transformers (cache on) per dtype and batch size, on shared weights."""
+            device: torch.device, dtypes: list[str], repeats: int = 2, int8: bool = True
+            ) -> dict[str, Any]:  # fmt: skip
+    """tokens/s of qkv (cache on / off, int8) and transformers (cache on) per dtype and batch, on shared weights."""
     from transformers import GPT2LMHeadModel  # lazy: a heavy import, needed only here
     from transformers.utils import logging as hf_logging
 
@@ -93,40 +131,25 @@ def measure(cfg: DecoderLMConfig, batch_sizes: list[int], prompt_len: int, new_t
         dtype = getattr(torch, dtype_name)
         same = dtype == torch.float32  # the float32 originals serve as they are; other dtypes get cast copies
         model, hf = (base, hf_base) if same else (copy.deepcopy(base).to(dtype), copy.deepcopy(hf_base).to(dtype))
-        bounds[dtype_name] = weight_read_bound(model, device)
+        bounds[dtype_name] = weight_read_bound(model, device, dtype)
         for batch in batch_sizes:
             ids = torch.randint(0, cfg.vocab_size, (batch, prompt_len), device=device)
-            mask = torch.ones_like(ids)
-
-            def qkv(n: int, cache: bool, ids: Tensor = ids, model: DecoderLM = model) -> Tensor:
-                """qkv greedy decoding of n tokens."""
-                return generate(model, ids, n, Sampling(temperature=0.0), use_cache=cache)
-
-            def hf_generate(n: int, ids: Tensor = ids, mask: Tensor = mask, hf: Any = hf) -> Tensor:
-                """transformers greedy decoding of exactly n tokens (no eos in the config, min = max)."""
-                out: Tensor = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                          do_sample=False, use_cache=True, pad_token_id=0)  # fmt: skip
-                return out
-
-            qkv(2, True), hf_generate(2)  # warm-up: first-call allocations and kernel selection
-            # Interleaved repeats, best of each: a shared machine's slow moments hit both sides alike.
-            s_cached = s_hf = float("inf")
-            for _ in range(repeats):
-                seconds, out_qkv = _timed(lambda: qkv(new_tokens, True), device)
-                s_cached = min(s_cached, seconds)
-                seconds, out_hf = _timed(lambda: hf_generate(new_tokens), device)
-                s_hf = min(s_hf, seconds)
-            row = {"qkv_cache_tokens_per_s": batch * new_tokens / s_cached,
-                   "transformers_tokens_per_s": batch * new_tokens / s_hf,
+            best, out = _race({"qkv": _qkv_decoder(model, ids), "hf": _hf_decoder(hf, ids)}, new_tokens, device,
+                              repeats)  # fmt: skip
+            row = {"qkv_cache_tokens_per_s": batch * new_tokens / best["qkv"],
+                   "transformers_tokens_per_s": batch * new_tokens / best["hf"],
                    # Same weights, both greedy: the tokens should agree (rounding may split near-ties late).
-                   "same_tokens": bool(torch.equal(out_qkv.cpu(), out_hf.cpu()))}  # fmt: skip
+                   "same_tokens": bool(torch.equal(out["qkv"].cpu(), out["hf"].cpu()))}  # fmt: skip
             row["qkv_over_transformers"] = row["qkv_cache_tokens_per_s"] / row["transformers_tokens_per_s"]
+            row["qkv_over_ceiling"] = row["qkv_cache_tokens_per_s"] / bounds[dtype_name] / batch
+            row["transformers_over_ceiling"] = row["transformers_tokens_per_s"] / bounds[dtype_name] / batch
             if dtype_name == no_cache_dtype:  # quadratic and slow: once, in float32 if it is measured
-                qkv(2, False)
-                s_uncached, _ = _timed(lambda: qkv(uncached_tokens, False), device)
-                row["qkv_no_cache_tokens_per_s"] = batch * uncached_tokens / s_uncached
+                slow, _ = _race({"qkv": _qkv_decoder(model, ids, cache=False)}, uncached_tokens, device, 1)
+                row["qkv_no_cache_tokens_per_s"] = batch * uncached_tokens / slow["qkv"]
                 row["cache_speedup"] = row["qkv_cache_tokens_per_s"] / row["qkv_no_cache_tokens_per_s"]
             rows[f"{dtype_name}/{batch}"] = row
+    if int8:
+        rows.update(measure_int8(base, hf_base, cfg, batch_sizes, prompt_len, new_tokens, device, repeats, bounds))
     headline = {}
     for batch in batch_sizes:
         fp32 = rows.get(f"float32/{batch}")
@@ -141,6 +164,27 @@ def measure(cfg: DecoderLMConfig, batch_sizes: list[int], prompt_len: int, new_t
             "rows": rows}  # fmt: skip
 
 
+def measure_int8(base: DecoderLM, hf_fp32: Any, cfg: DecoderLMConfig, batch_sizes: list[int], prompt_len: int,
+                 new_tokens: int, device: torch.device, repeats: int, bounds: dict[str, float]
+                 ) -> dict[str, Any]:  # fmt: skip
+    """qkv with int8 weights (qkv.quantization; the tied head quantised too), raced against transformers fp32."""
+    quantized = copy.deepcopy(base)
+    quantize_int8(quantized)
+    bounds["int8"] = weight_read_bound(quantized, device, torch.float32)
+    rows = {}
+    for batch in batch_sizes:
+        ids = torch.randint(0, cfg.vocab_size, (batch, prompt_len), device=device)
+        best, out = _race({"qkv": _qkv_decoder(quantized, ids), "hf": _hf_decoder(hf_fp32, ids)}, new_tokens,
+                          device, repeats)  # fmt: skip
+        row = {"qkv_cache_tokens_per_s": batch * new_tokens / best["qkv"],
+               "transformers_tokens_per_s": batch * new_tokens / best["hf"],  # float32
+               "same_tokens": bool(torch.equal(out["qkv"].cpu(), out["hf"].cpu()))}  # fmt: skip
+        row["qkv_over_transformers"] = row["qkv_cache_tokens_per_s"] / row["transformers_tokens_per_s"]
+        row["qkv_over_ceiling"] = row["qkv_cache_tokens_per_s"] / bounds["int8"] / batch
+        rows[f"int8/{batch}"] = row
+    return rows
+
+
 def print_table(report: dict[str, Any]) -> None:
     """One markdown row per dtype and batch size, then the headline ratio."""
     print(f"Greedy decode, {report['params_m']:.1f} M parameters, prompt {report['prompt_len']}, "
@@ -148,17 +192,23 @@ def print_table(report: dict[str, Any]) -> None:
           f"{report['device']}, {report['threads']} thread(s)")  # fmt: skip
     for dtype, bound in report["weight_read_bound_tokens_per_s"].items():
         print(f"memory-bound ceiling at batch 1, {dtype} (one token × every weight matrix): {bound:,.1f} tok/s")
-    print("\n| dtype | batch | qkv cache tok/s | qkv no-cache tok/s | transformers tok/s | qkv / transformers "
-          "| same tokens |\n|---|---:|---:|---:|---:|---:|---|")  # fmt: skip
+    print("\n| weights | batch | qkv cache tok/s | qkv no-cache tok/s | transformers tok/s | qkv / transformers "
+          "| qkv / ceiling | same tokens |\n|---|---:|---:|---:|---:|---:|---:|---|")  # fmt: skip
     for key, r in report["rows"].items():
         dtype, batch = key.split("/")
         no_cache = f"{r['qkv_no_cache_tokens_per_s']:,.1f}" if "qkv_no_cache_tokens_per_s" in r else "—"
-        print(
-            f"| {dtype} | {batch} | {r['qkv_cache_tokens_per_s']:,.1f} | {no_cache} | "
-            f"{r['transformers_tokens_per_s']:,.1f} | {r['qkv_over_transformers']:.2f} | {r['same_tokens']} |"
-        )
+        label = "int8 weights vs transformers fp32" if dtype == "int8" else dtype
+        print(f"| {label} | {batch} | {r['qkv_cache_tokens_per_s']:,.1f} | {no_cache} | "
+              f"{r['transformers_tokens_per_s']:,.1f} | {r['qkv_over_transformers']:.2f} | "
+              f"{r['qkv_over_ceiling']:.0%} | {r['same_tokens']} |")  # fmt: skip
+    rows = report["rows"]
     for batch, ratio in report["qkv_bf16_over_transformers_fp32"].items():
         print(f"\nbatch {batch}: qkv in bfloat16 decodes {ratio:.2f}× as fast as transformers in float32")
+        if f"int8/{batch}" in rows:
+            int8 = rows[f"int8/{batch}"]["qkv_cache_tokens_per_s"]
+            print(f"batch {batch}: qkv int8 decodes {rows[f'int8/{batch}']['qkv_over_transformers']:.2f}× as fast as "
+                  f"transformers in float32, {int8 / rows[f'bfloat16/{batch}']['qkv_cache_tokens_per_s']:.2f}× qkv "
+                  "in bfloat16")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--repeats", type=int, default=2, help="timed runs of each decoder, interleaved; the best counts")
     p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["float32", "bfloat16"])
+    p.add_argument("--no-int8", action="store_true", help="skip the int8 weight-only row")
     # Smaller shapes for smoke tests; the defaults are GPT-2 small.
     p.add_argument("--n-layers", type=int, default=GPT2_SMALL["n_layers"])
     p.add_argument("--d-model", type=int, default=GPT2_SMALL["d_model"])
@@ -187,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = {"n_layers": args.n_layers, "d_model": args.d_model, "n_heads": args.n_heads, "vocab_size": args.vocab_size}
     cfg = DecoderLMConfig(**{**GPT2_SMALL, **shape})
     report = measure(cfg, args.batch_sizes, args.prompt_len, args.new_tokens, args.uncached_tokens,
-                     torch.device(args.device), args.dtypes, args.repeats)  # fmt: skip
+                     torch.device(args.device), args.dtypes, args.repeats, not args.no_int8)  # fmt: skip
     print_table(report)
     save_report(args.json, report)
     return 0

@@ -53,12 +53,13 @@ def test_decode_through_qkv_bench(tmp_path: Path) -> None:
                      "--threads", "1", "--device", "cpu", "--json", str(out)])  # fmt: skip
     assert code == 0
     report = _json(out)
-    assert set(report["rows"]) == {"float32/1", "float32/2", "bfloat16/1", "bfloat16/2"}
-    assert all(report["weight_read_bound_tokens_per_s"][d] > 0 for d in ("float32", "bfloat16"))
+    assert set(report["rows"]) == {f"{w}/{b}" for w in ("float32", "bfloat16", "int8") for b in (1, 2)}
+    assert all(report["weight_read_bound_tokens_per_s"][d] > 0 for d in ("float32", "bfloat16", "int8"))
     assert set(report["qkv_bf16_over_transformers_fp32"]) == {"1", "2"}
     for key, row in report["rows"].items():
         assert row["qkv_cache_tokens_per_s"] > 0 and row["transformers_tokens_per_s"] > 0
         assert row["qkv_over_transformers"] > 0
+        assert row["qkv_over_ceiling"] > 0
         if key.startswith("float32"):  # the no-cache row runs once, in float32
             assert row["qkv_no_cache_tokens_per_s"] > 0 and row["same_tokens"]
         else:
@@ -128,14 +129,63 @@ def test_missing_benchmarks_directory_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_cpu_allocator_runs_both_settings_in_their_own_processes(capsys: pytest.CaptureFixture[str]) -> None:
     """benchmarks/cpu_allocator.py at a tiny recipe: both variants run, and qkv's setting takes fewer page faults."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("cpu_allocator", BENCHMARKS_DIR / "cpu_allocator.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _script("cpu_allocator")
     recipe = json.dumps({"vocab_size": 300, "model": {"d_model": 32, "n_heads": 2, "d_ff": 64}, "batch_size": 2000})
     assert module.main([recipe, "--steps", "14", "--repeats", "1"]) > 0
     out = capsys.readouterr().out
     faults = [float(x) for x in re.findall(r"([\d.]+) M page faults", out)]
     assert len(faults) == 2 and faults[1] < faults[0]  # glibc's defaults first, keep_freed_memory second
+
+
+def _script(name: str) -> Any:
+    """benchmarks/<name>.py imported as a module (its __main__ guard stays closed)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS_DIR / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# A stand-in for nanoGPT's train.py: it checks the data the benchmark wrote, then prints nanoGPT's eval lines.
+FAKE_NANOGPT = """
+import pickle, sys
+import numpy as np
+meta = pickle.load(open("data/shakespeare_char/meta.pkl", "rb"))
+train = np.fromfile("data/shakespeare_char/train.bin", dtype=np.uint16)
+val = np.fromfile("data/shakespeare_char/val.bin", dtype=np.uint16)
+assert meta["vocab_size"] > int(max(train.max(), val.max())) and len(train) == 9 * len(val) + {extra}, len(train)
+assert "config/train_shakespeare_char.py" in sys.argv and "--device=cpu" in sys.argv
+print("step 0: train loss 4.4000, val loss 4.4000")
+print("iter 0: loss 4.4000, time 10.00ms")
+print("step 2000: train loss 3.8000, val loss {val}")
+"""
+
+
+@pytest.mark.parametrize(("val", "reached"), [(3.9, True), (0.5, False)])
+def test_speedrun_times_nanogpt_and_qkv_to_the_same_loss(tmp_path: Path, val: float, reached: bool,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """Side by side with a stand-in nanoGPT: its data is qkv's split, and qkv is judged on full-split evaluations."""
+    from qkv.data.text import prepare_text_data
+
+    data = prepare_text_data(None, "char")
+    extra = len(data.train_ids) - 9 * len(data.val_ids)
+    checkout = tmp_path / "nanoGPT"
+    (checkout / "config").mkdir(parents=True)
+    (checkout / "config" / "train_shakespeare_char.py").write_text("")
+    (checkout / "train.py").write_text(FAKE_NANOGPT.format(extra=extra, val=val))
+    speedrun = _script("speedrun")
+    tiny = ["--max-steps=30", "--eval-interval=10", "--eval-tokens=2000", "--sample-tokens=0", "--model=d_model=32",
+            "--model=n_layers=1", "--model=n_heads=2"]  # fmt: skip
+    out = tmp_path / "speedrun.json"
+    ratio = speedrun.main(["--nanogpt", str(checkout), "--json", str(out), *(f"--qkv-arg={a}" for a in tiny)])
+    report = _json(out)
+    qkv = report["runs"][0]["qkv"]
+    assert report["runs"][0]["nanogpt"]["final_val_loss"] == val
+    assert [step for step, _ in qkv["full_evals"]] == [30]  # periodic evaluations read a part; the last, all
+    if reached:
+        assert qkv["step"] == 30 and 0 < ratio < float("inf") and ratio == report["median_ratio"]
+        assert "× nanoGPT's time" in capsys.readouterr().out
+    else:
+        assert ratio == float("inf") and "never reached" in capsys.readouterr().out

@@ -368,24 +368,34 @@ def test_generate_output_is_identical_without_the_cache(
     assert run_main(capsys, *argv) == (0, cached, "")  # and the seed makes it repeatable
 
 
-def test_generate_in_bfloat16_decodes_a_bfloat16_model(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, char_run: Path
-) -> None:
-    """`qkv generate --dtype bfloat16` hands generation a bfloat16 model and prints a full sample."""
-    dtypes: list[torch.dtype] = []
+@pytest.mark.parametrize(("option", "value", "seen"), [("--dtype", "bfloat16", {"bfloat16"}),
+                                                     ("--quantize", "int8", {"Int8Linear"})])  # fmt: skip
+def test_generate_decodes_a_bfloat16_or_int8_model(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, char_run: Path, option: str, value: str,
+    seen: set[str],
+) -> None:  # fmt: skip
+    """`qkv generate --dtype bfloat16` hands generation a bfloat16 model, `--quantize int8` one whose Linears are all
+    int8; both print a full sample, and an unknown choice is a one-line error."""
+    from qkv.quantization import Int8Linear
+
+    models: list[torch.nn.Module] = []
     real_stream = qkv.generation.stream
 
     def spy(*args: Any, **kwargs: Any) -> Any:
-        dtypes.extend({p.dtype for p in args[0].parameters()})
+        models.append(args[0])
         return real_stream(*args, **kwargs)
 
     monkeypatch.setattr(qkv.generation, "stream", spy)
     code, out, err = run_main(capsys, "generate", str(char_run), "--prompt", "ROMEO:", "--max-new-tokens", "20",
-                              "--temperature", "0", "--dtype", "bfloat16")  # fmt: skip
+                              "--temperature", "0", option, value)  # fmt: skip
     assert (code, err) == (0, "")
     assert out.startswith("ROMEO:") and len(out) == len("ROMEO:") + 20 + 1
-    assert dtypes == [torch.bfloat16]
-    code, _, err = run_main(capsys, "generate", str(char_run), "--dtype", "int4")
+    (model,) = models
+    if option == "--dtype":
+        assert {str(p.dtype).removeprefix("torch.") for p in model.parameters()} == seen
+    else:
+        assert {type(m).__name__ for m in model.modules() if isinstance(m, (torch.nn.Linear, Int8Linear))} == seen
+    code, _, err = run_main(capsys, "generate", str(char_run), option, "int4")
     assert code == 2 and "invalid choice: 'int4'" in err and "Traceback" not in err
 
 

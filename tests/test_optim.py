@@ -115,7 +115,9 @@ def test_adamw_groups_of_muon_step_exactly_like_adamw() -> None:
     assert all(torch.equal(a, b) for a, b in zip(net.parameters(), twin.parameters(), strict=True))
 
 
-def test_muon_with_fsdp_is_refused() -> None:
-    with pytest.raises(QkvError, match="--optimizer muon orthogonalises whole matrices"):
-        LMConfig(optimizer="muon", strategy="fsdp")
-    assert LMConfig().optimizer == "adamw"
+def test_the_language_model_and_translation_recipes_use_muon() -> None:
+    """Muon is the default of both (with FSDP too: tests/test_tasks.py trains every task sharded like one process)."""
+    assert LMConfig().optimizer == "muon" and TranslateConfig().optimizer == "muon"
+    assert LMConfig(optimizer="muon", strategy="fsdp").strategy == "fsdp"
+    with pytest.raises(QkvError, match="unknown optimizer 'sgd'"):
+        LMConfig(optimizer="sgd")

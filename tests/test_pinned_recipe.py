@@ -22,7 +22,15 @@ MODEL = {"d_model": 32, "n_heads": 2, "dropout": 0.0}
 SEQ2SEQ = {**MODEL, "d_ff": 64, "n_encoder_layers": 1, "n_decoder_layers": 1}
 COMMON = {"device": "cpu", "eval_interval": 3, "warmup_steps": 2, "max_steps": 6, "seed": 7, "optimizer": "adamw"}
 RECIPE: dict[str, dict[str, Any]] = {  # "tiny-2026-11"
-    "lm": {**COMMON, "block_size": 32, "batch_size": 4, "model": {**MODEL, "n_layers": 1}, "sample_tokens": 0},
+    "lm": {
+        **COMMON,
+        "block_size": 32,
+        "batch_size": 4,
+        "model": {**MODEL, "n_layers": 1, "n_kv_heads": None},
+        "sample_tokens": 0,
+        "lr": 3e-3,
+        "eval_tokens": None,
+    },
     "mlm": {**COMMON, "block_size": 32, "batch_size": 4, "vocab_size": 300, "model": {**MODEL, "n_layers": 1}},
     "translate": {**COMMON, "vocab_size": 300, "batch_size": 200, "model": SEQ2SEQ, "max_time": None},
     "copy": {**COMMON, "batch_size": 8, "length": 8, "min_length": 3, "n_test": 20, "model": SEQ2SEQ},

@@ -39,6 +39,7 @@ from qkv.tasks import load, train
 from qkv.tasks.lm import LMConfig
 from qkv.training import checkpoint as ckpt
 from qkv.training import evaluate_loss
+from qkv.training.evaluate import eval_batches
 from qkv.training.optim import make_optimizer
 
 MODEL = {"n_layers": 1, "d_model": 32, "n_heads": 2, "dropout": 0.1}
@@ -307,6 +308,12 @@ def test_evaluate_loss_equals_a_manual_loop_over_positions() -> None:
         assert evaluate_loss(model, data, block, batch_size) == pytest.approx(manual, abs=1e-6)
     assert evaluate_loss(model, data, block, 4, max_tokens=17) == pytest.approx(sum(losses[:16]) / 16, abs=1e-6)
     assert abs(manual - sum(losses[1:]) / 28) > 1e-3  # the tolerance above is far below one position's weight
+    # A larger partial budget reads stretches spread over the split (its first and last 9 tokens here).
+    spread = torch.cat([data[:9], data[21:]])
+    assert [x.tolist() for x, _ in eval_batches(data, block, 4, max_tokens=18)] == [
+        spread[:8][None].tolist(),
+        spread[9:17][None].tolist(),
+    ]
     with pytest.raises(QkvError, match="need at least 2 tokens to evaluate"):
         evaluate_loss(model, data[:1], block)
 
@@ -324,7 +331,8 @@ def test_run_directory_contents(reference: _References) -> None:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [5, 10, 15, 20, 25, 30, 35, 40]
     for r in rows:
-        assert set(r) == {"step", "tokens_seen", "elapsed_s", "train_s", "train_loss", "val_loss", "lr"}
+        assert set(r) == {"step", "tokens_seen", "elapsed_s", "train_s", "train_loss", "val_loss", "full_eval", "lr"}
+        assert r["full_eval"] == (r["step"] == 40)  # periodic evaluations read eval_tokens; the last one, all
         assert r["tokens_seen"] == r["step"] * 4 * 32
         assert math.isfinite(r["train_loss"]) and math.isfinite(r["val_loss"]) and r["lr"] > 0
         assert 0 < r["train_s"] < r["elapsed_s"]  # training time excludes the evaluations before this row

@@ -24,6 +24,7 @@ _EXPORTS = {
     "QkvError": "qkv.errors",
     "Sampling": "qkv.generation",
     "generate": "qkv.generation",
+    "quantize_int8": "qkv.quantization",
     "DecoderLM": "qkv.models",
     "EncoderModel": "qkv.models",
     "Transformer": "qkv.models",
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from qkv.generation import Sampling, generate
     from qkv.interop import from_hf, save_hf
     from qkv.models import DecoderLM, EncoderModel, Transformer
+    from qkv.quantization import quantize_int8
     from qkv.tasks import load, train
     from qkv.tasks.lm import LMConfig
     from qkv.tasks.mlm import MLMConfig
@@ -86,6 +88,7 @@ __all__ = [
     "from_hf",
     "generate",
     "load",
+    "quantize_int8",
     "record_attention",
     "save_hf",
     "scaled_dot_product_attention",

@@ -139,6 +139,7 @@ class LatentAttention(nn.Module):
         absorb: bool = False,
     ) -> None:
         super().__init__()
+        self.float_linears = ("kv_up",)  # weight absorption reads its matrix per head: not quantisable as a Linear
         sizes = {"d_model": d_model, "n_heads": n_heads, "kv_lora_rank": kv_lora_rank,
                  "qk_nope_head_dim": qk_nope_head_dim, "qk_rope_head_dim": qk_rope_head_dim, "v_head_dim": v_head_dim,
                  "q_lora_rank": 1 if q_lora_rank is None else q_lora_rank}  # fmt: skip

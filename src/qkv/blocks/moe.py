@@ -61,6 +61,7 @@ class MoEFeedForward(nn.Module):
         self.n_experts, self.top_k, self.n_groups, self.topk_groups = n_experts, top_k, n_groups, topk_groups
         self.norm_topk, self.scale = norm_topk, scale
         self.router = nn.Linear(d_model, n_experts, bias=False)  # W_r: one affinity logit per expert
+        self.float_linears = ("router",)  # routed in float32 from its matrix: never quantised
         self.register_buffer("score_bias", torch.zeros(n_experts))  # load-balancing bias b (selection only)
         self.experts = nn.ModuleList(FeedForward(d_model, d_ff, activation, dropout, bias) for _ in range(n_experts))
         # n_shared shared experts summed = one FFN n_shared times as wide (DeepSeek stores them so).

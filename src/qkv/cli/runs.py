@@ -37,6 +37,9 @@ def register(sub: Any) -> None:
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="weights and activations while decoding; bfloat16 reads half the bytes per token")  # fmt: skip
+    p.add_argument("--quantize", choices=("int8",),
+                   help="int8: every Linear's weight in 1 byte with a scale per output channel, activations in "
+                        "--dtype (a quarter of float32's bytes per token)")  # fmt: skip
     _run_options(p)
 
     p = sub.add_parser("eval", help="a run's measures on its held-out data (loss, BLEU, accuracy …)")
@@ -98,6 +101,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     run = _load(args, expect="lm")
     tokenizer = run.require_tokenizer()
     run.model.to(getattr(torch, args.dtype))  # the model only: token ids and the sampling stay as they are
+    if args.quantize == "int8":
+        from qkv.quantization import quantize_int8
+
+        quantize_int8(run.model)
     if args.prompt == "":
         raise QkvError("--prompt is empty; give at least one character to continue")
     prompt_ids = tokenizer.encode_tensor(args.prompt).to(run.device)

@@ -87,6 +87,8 @@ def migrate_config(config: dict[str, Any]) -> dict[str, Any]:
     # Settings added since, whose defaults are not what those runs did: every run before them used AdamW, and
     # every translation run before --corpus trained on the Ding sentences. A run on a pairs file has no corpus.
     training.setdefault("optimizer", "adamw")
+    if task == "lm" and isinstance(training.get("model"), dict):  # before the recipe's one key/value head
+        training["model"] = {"n_kv_heads": None, **training["model"]}
     if task == "translate":
         if training.get("data") is None:
             training.setdefault("corpus", "ding")

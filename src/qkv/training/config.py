@@ -50,6 +50,7 @@ class RunConfig:
     task: ClassVar[str] = ""  # the task's name in qkv.tasks' registry
     model_config: ClassVar[type[BlockConfig]] = BlockConfig  # the model config `model` holds fields of
     default_model: ClassVar[dict[str, Any]] = {}  # the task's model recipe, under the given `model` fields
+    newton_schulz_steps: ClassVar[int] = 5  # the recipe's orthogonalisation iterations per Muon step
 
     model: dict[str, Any] = option(factory=dict, help="model-config fields over the task's recipe", fixed=True)
     batch_size: int = option(8, "sequences per micro-batch and process", fixed=True)
@@ -116,9 +117,6 @@ class RunConfig:
             raise QkvError(f"min-lr must be in [0, lr={self.lr}], got {self.min_lr}")
         if self.compile and self.strategy == "fsdp":  # dynamo would have to trace FSDP's gather hooks
             raise QkvError("--compile works with one process or --strategy ddp, not with --strategy fsdp")
-        if self.optimizer == "muon" and self.strategy == "fsdp":  # each rank holds a shard, not whole matrices
-            raise QkvError("--optimizer muon orthogonalises whole matrices: use one process or --strategy ddp, "
-                           "not --strategy fsdp")  # fmt: skip
 
     def _check_model(self) -> None:
         """Lay the given model fields over the task's recipe, refusing names its model config does not have."""

@@ -31,10 +31,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from qkv.data import eval_windows
 from qkv.errors import QkvError
 from qkv.training.config import STRATEGIES
-from qkv.training.evaluate import evaluate_loss
+from qkv.training.evaluate import eval_batches, evaluate_loss
 
 # Test-only fault injection: "RANK:STEP" makes that rank die with os._exit(1) when it reaches STEP.
 CRASH_ENV = "QKV_TEST_CRASH_AT"
@@ -231,9 +230,7 @@ def sharded_eval_loss(
     """
     if not ctx.enabled:
         return evaluate_loss(model, data, block_size, batch_size, ctx.device, max_tokens)
-    if max_tokens is not None:
-        data = data[:max_tokens]
-    batches = list(eval_windows(data, block_size, batch_size))
+    batches = list(eval_batches(data, block_size, batch_size, max_tokens))
     sums = torch.zeros(len(batches), dtype=torch.float64)
     for i in range(math.ceil(len(batches) / ctx.world_size)):
         index = ctx.rank + i * ctx.world_size
@@ -250,7 +247,7 @@ def sharded_eval_loss(
     total = 0.0
     for value in sums.tolist():
         total += value
-    return total / (len(data) - 1)
+    return total / sum(y.numel() for _, y in batches)
 
 
 def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:

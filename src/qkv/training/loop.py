@@ -51,6 +51,8 @@ from qkv.training.schedule import LRSchedule
 from qkv.training.signals import deferred_interrupt
 from qkv.training.task import Batch, Evaluation, Task, TrainResult
 
+PLOT_EVERY_S = 30.0  # drawing loss.png takes ≈ 0.1 s (0.5 s the first time): not at every evaluation of a short run
+
 
 @dataclass
 class StepInfo:
@@ -159,6 +161,7 @@ class _Trainer:
         self.metrics = read_metrics(run_dir, self.state.step)
         self.progress = Progress(cfg.max_steps, enabled=verbose and ctx.is_main)  # rank 0 speaks for the run
         self.start = time.monotonic()
+        self.last_plot = self.start  # a short run draws loss.png once, at its end
 
     def _write_config(self) -> None:
         """config.json (and the tokenizer) for a new run; for a resumed run, only if its settings changed."""
@@ -217,8 +220,9 @@ class _Trainer:
                 )
                 self._show_progress(losses[-1], first_step, first_tokens)
                 step = self.state.step
-                if step % self.cfg.eval_interval == 0 or step == self.cfg.max_steps or out_of_time:
-                    self._evaluate_and_checkpoint(sum(losses) / len(losses))
+                last = step == self.cfg.max_steps or out_of_time
+                if step % self.cfg.eval_interval == 0 or last:
+                    self._evaluate_and_checkpoint(sum(losses) / len(losses), full=last)
                     losses = []
                 if out_of_time:
                     self.progress.log(f"time budget of {self.cfg.max_time:g} s reached at step {step}")
@@ -289,32 +293,47 @@ class _Trainer:
         self.model.train()
         return results
 
-    def _evaluate_and_checkpoint(self, train_loss: float) -> None:
-        """Evaluate, log, keep the best weights, save everything needed to resume; timed apart from training."""
+    def _evaluate_and_checkpoint(self, train_loss: float, full: bool) -> None:
+        """Evaluate, log, keep the best weights, save everything needed to resume; timed apart from training.
+
+        full: the run's last evaluation, over the whole split even where periodic ones read a part of it.
+        """
         if not self.hooks.evaluate:
             return
         began, train_s = time.monotonic(), self.elapsed() - self.state.overhead_s
-        results = self._evaluate(full=False)
+        full = full or not self.task.partial_evaluation
+        results = self._evaluate(full)
         train_loss = distributed.mean_over_ranks(train_loss, self.ctx)
         model_state, optimizer_state = distributed.full_state(self.model, self.optimizer, self.ctx)  # collective
         row = {"step": self.state.step, "tokens_seen": self.state.tokens_seen, "elapsed_s": round(self.elapsed(), 3),
-               "train_s": round(train_s, 3), "train_loss": train_loss, **results,
+               "train_s": round(train_s, 3), "train_loss": train_loss, **results, "full_eval": full,
                "lr": self.schedule.lr_at(max(0, self.state.step - 1))}  # fmt: skip
         self.metrics.append(row)
         score, best = results[self.task.best_metric], self.state.best
         improved = best is None or (score > best if self.task.higher_is_better else score < best)
         if improved:
             self.state.best = score
-        if self.ctx.is_main:
+        if self.ctx.is_main:  # the checkpoint, then its log line (a line seen is a step saved), then the plot
             self._write_checkpoint(model_state, optimizer_state, improved, train_s)
             shown = "  ".join(f"{'val' if k == 'val_loss' else k.replace('_', ' ')} {v:.4f}"
                               for k, v in results.items())  # fmt: skip
-            self.progress.log(f"step {self.state.step:>6}  train {train_loss:.4f}  {shown}  lr {row['lr']:.2e}")
+            part = "" if full else " (part of the split)"
+            self.progress.log(f"step {self.state.step:>6}  train {train_loss:.4f}  {shown}{part}  lr {row['lr']:.2e}")
+            if full or self._plot_due():
+                plot_losses(self.metrics, self.run_dir / PLOT_FILE,
+                            title=f"qkv train {self.task.name} — {self.run_dir.name}")  # fmt: skip
         self.state.overhead_s += time.monotonic() - began
+
+    def _plot_due(self) -> bool:
+        """Whether loss.png is due again: redrawn at most every PLOT_EVERY_S seconds, and after the last evaluation."""
+        if time.monotonic() - self.last_plot < PLOT_EVERY_S:
+            return False
+        self.last_plot = time.monotonic()
+        return True
 
     def _write_checkpoint(self, model_state: dict[str, Any], optimizer_state: dict[str, Any], improved: bool,
                           train_s: float) -> None:  # fmt: skip
-        """metrics.jsonl, the best weights if they improved, the training state and loss.png (rank 0)."""
+        """metrics.jsonl, the best weights if they improved and the training state (rank 0)."""
         write_metrics(self.run_dir, self.metrics)
         if improved:
             atomic_save_safetensors(self.run_dir / BEST_FILE, model_state)
@@ -323,13 +342,12 @@ class _Trainer:
                  "best": s.best, "global_batch_size": s.global_batch}  # fmt: skip
         save_training_state(self.run_dir, model_state=model_state, optimizer=optimizer_state, extra=extra,
                             generators={"data": self.data_gen})  # fmt: skip
-        plot_losses(self.metrics, self.run_dir / PLOT_FILE, title=f"qkv train {self.task.name} — {self.run_dir.name}")
 
     def _stop_cleanly(self, losses: list[float]) -> None:
         """After Ctrl-C: checkpoint the steps taken since the last one, and say how to continue."""
         self.progress.close()
         if losses:
-            self._evaluate_and_checkpoint(sum(losses) / len(losses))
+            self._evaluate_and_checkpoint(sum(losses) / len(losses), full=True)
         if (self.run_dir / STATE_FILE).is_file():
             hint = f"continue with --resume --out-dir {self.run_dir}"
             self.progress.log(f"interrupted at step {self.state.step}: checkpoint saved; {hint}")
@@ -342,7 +360,7 @@ class _Trainer:
         final: dict[str, float] = {}
         if self.hooks.evaluate:
             last = self.metrics[-1] if self.metrics else None
-            if last is None or self.task.partial_evaluation:
+            if last is None or last["step"] != self.state.step or not last.get("full_eval", True):
                 final = self._evaluate(full=True)
             else:
                 final = {k: v for k, v in last.items() if k.startswith("val_")}

@@ -7,6 +7,8 @@ AdamW, as in Jordan's recipe. The orthogonalisation is five Newton–Schulz iter
 one shape; its step is scaled so that its RMS matches AdamW's (Liu et al., 2025, "Muon is Scalable for LLM
 Training"), so AdamW's learning rate and weight decay carry over. PyTorch's own torch.optim.Muon runs the
 iterations in bfloat16, matrix by matrix, which is slow on CPUs; on CUDA this one uses bfloat16 as well.
+Under FSDP each rank holds a slice of every matrix: the update is gathered whole, orthogonalised (the same on
+every rank) and each rank applies its own slice of it.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class MuonAdamW(torch.optim.AdamW):
     def _muon_step(self, group: dict[str, Any]) -> None:
         """Nesterov momentum, orthogonalised per matrix (batched by shape), with decoupled weight decay."""
         momentum, lr, decay = group["momentum"], group["lr"], group["weight_decay"]
+        steps = group.get("ns_steps", NEWTON_SCHULZ_STEPS)
         by_shape: dict[torch.Size, list[tuple[Tensor, Tensor]]] = {}
         for p in group["params"]:
             if p.grad is None:
@@ -85,10 +88,26 @@ class MuonAdamW(torch.optim.AdamW):
             by_shape.setdefault(p.shape, []).append((p, p.grad.lerp_(buffer, momentum)))  # Nesterov's look-ahead
             p.grad = None
         for shape, items in by_shape.items():
-            orthogonal = orthogonalize(torch.stack([update for _, update in items]))
+            orthogonal = orthogonalize(torch.stack([whole(update) for _, update in items]), steps)
             scale = 0.2 * math.sqrt(max(shape))  # an update of RMS 0.2, AdamW's typical (Liu et al.)
             for (p, _), update in zip(items, orthogonal, strict=True):
-                p.mul_(1 - lr * decay).add_(update, alpha=-lr * scale)
+                local = p.to_local() if hasattr(p, "to_local") else p  # FSDP: this rank's shard of the matrix
+                local.mul_(1 - lr * decay).add_(own_shard(update, p), alpha=-lr * scale)
+
+
+def whole(t: Tensor) -> Tensor:
+    """The whole matrix: a plain tensor as it is, an FSDP-sharded one (DTensor) gathered from every rank."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def own_shard(full: Tensor, like: Tensor) -> Tensor:
+    """The rows of `full` that this rank holds of `like` (FSDP shards dim 0 as torch.chunk does), or all of it."""
+    if not hasattr(like, "device_mesh"):
+        return full
+    mesh = like.device_mesh
+    chunks = torch.chunk(full, mesh.size(), dim=0)
+    rank = mesh.get_local_rank()
+    return chunks[rank] if rank < len(chunks) else full[:0]
 
 
 def block_matrices(model: nn.Module) -> list[nn.Parameter]:
@@ -113,7 +132,8 @@ def make_optimizer(model: nn.Module, cfg: OptimizerSettings) -> torch.optim.Adam
     ]
     kind: type[torch.optim.AdamW] = torch.optim.AdamW
     if muon:
-        groups.insert(0, {"params": muon, "weight_decay": cfg.weight_decay, "muon": True, "momentum": MUON_MOMENTUM})
+        groups.insert(0, {"params": muon, "weight_decay": cfg.weight_decay, "muon": True, "momentum": MUON_MOMENTUM,
+                          "ns_steps": getattr(cfg, "newton_schulz_steps", NEWTON_SCHULZ_STEPS)})  # fmt: skip
         kind = MuonAdamW
     if cfg.fused_optimizer:
         try:
