@@ -122,7 +122,10 @@ class RunConfig:
         """Lay the given model fields over the task's recipe, refusing names its model config does not have."""
         if not isinstance(self.model, dict):
             raise QkvError(f"model must be a dict of {self.model_config.__name__} fields, got {type(self.model)}")
-        self.model = {**self.default_model, **self.model}
+        recipe = dict(self.default_model)
+        if self.model.get("attention") == "mla":  # every head reads MLA's one latent: no key/value heads to set
+            recipe.pop("n_kv_heads", None)
+        self.model = {**recipe, **self.model}
         unknown = sorted(set(self.model) - {f.name for f in dataclasses.fields(self.model_config)})
         if unknown:
             names = ", ".join(map(str, unknown))
