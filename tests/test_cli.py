@@ -369,14 +369,15 @@ def test_generate_output_is_identical_without_the_cache(
 
 
 @pytest.mark.parametrize(("option", "value", "seen"), [("--dtype", "bfloat16", {"bfloat16"}),
-                                                     ("--quantize", "int8", {"Int8Linear"})])  # fmt: skip
+                                                     ("--quantize", "int8", {"Int8Linear"}),
+                                                     ("--dtype", "float32", {"InputMajorLinear"})])  # fmt: skip
 def test_generate_decodes_a_bfloat16_or_int8_model(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, char_run: Path, option: str, value: str,
     seen: set[str],
 ) -> None:  # fmt: skip
     """`qkv generate --dtype bfloat16` hands generation a bfloat16 model, `--quantize int8` one whose Linears are all
-    int8; both print a full sample, and an unknown choice is a one-line error."""
-    from qkv.quantization import Int8Linear
+    int8, and float32 one with input-major matrices; each prints a full sample; an unknown choice is one line."""
+    from qkv.quantization import InputMajorLinear, Int8Linear
 
     models: list[torch.nn.Module] = []
     real_stream = qkv.generation.stream
@@ -391,10 +392,11 @@ def test_generate_decodes_a_bfloat16_or_int8_model(
     assert (code, err) == (0, "")
     assert out.startswith("ROMEO:") and len(out) == len("ROMEO:") + 20 + 1
     (model,) = models
-    if option == "--dtype":
+    if value == "bfloat16":
         assert {str(p.dtype).removeprefix("torch.") for p in model.parameters()} == seen
-    else:
-        assert {type(m).__name__ for m in model.modules() if isinstance(m, (torch.nn.Linear, Int8Linear))} == seen
+    else:  # int8, or one float32 sequence on the CPU: input-major matrices
+        kinds = (torch.nn.Linear, Int8Linear, InputMajorLinear)
+        assert {type(m).__name__ for m in model.modules() if isinstance(m, kinds)} == seen
     code, _, err = run_main(capsys, "generate", str(char_run), option, "int4")
     assert code == 2 and "invalid choice: 'int4'" in err and "Traceback" not in err
 

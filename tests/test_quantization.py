@@ -1,4 +1,5 @@
-"""Tests for qkv.quantization: int8 weight-only Linears against an independent float reference.
+"""Tests for qkv.quantization: int8 weight-only Linears against an independent float reference, and the input-major
+float32 layout against nn.Linear.
 
 The reference dequantises by hand (q · s, in float64) and multiplies with torch.matmul, so the fused kernel
 (torch._weight_int8pack_mm) is checked against plain arithmetic; the rounding error itself is bounded by
@@ -18,7 +19,7 @@ from qkv import DecoderLM, DecoderLMConfig, quantize_int8
 from qkv.attention.latent import LatentAttention
 from qkv.blocks.moe import MoEFeedForward
 from qkv.generation import Sampling, generate
-from qkv.quantization import Int8Linear, weight_bytes
+from qkv.quantization import InputMajorLinear, Int8Linear, input_major, weight_bytes
 
 
 @settings(max_examples=20, deadline=None)
@@ -123,3 +124,23 @@ def test_linears_read_as_matrices_stay_float(absorb: bool) -> None:
     greedy = Sampling(temperature=0.0)
     prompt = ids[:, :4]
     assert torch.equal(generate(model, prompt, 8, greedy), generate(model, prompt, 8, greedy, use_cache=False))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_input_major_layout_computes_the_same_products(tie: bool) -> None:
+    """input_major stores each Linear's Wᵀ (in, out): the same logits to float32 rounding, the same greedy text."""
+    model = _lm(tie)
+    ids = torch.randint(0, 50, (2, 20))
+    greedy = Sampling(temperature=0.0)
+    with torch.no_grad():
+        before = model(ids)
+    text = generate(model, ids[:, :5], 12, greedy)
+    n_linear = sum(isinstance(m, nn.Linear) for m in model.modules())
+    input_major(model)
+    layers = [m for m in model.modules() if isinstance(m, InputMajorLinear)]
+    assert len(layers) == n_linear and not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert all(m.weight_t.shape == (m.in_features, m.out_features) and m.weight_t.is_contiguous() for m in layers)
+    assert model.embed.tokens.weight.shape == (50, 32)  # the table keeps its rows; a tied head has its own copy
+    with torch.no_grad():
+        assert torch.allclose(model(ids), before, atol=1e-5, rtol=1e-5)
+    assert torch.equal(generate(model, ids[:, :5], 12, greedy), text)

@@ -1,21 +1,32 @@
-"""int8 weight-only quantisation: every Linear's weight stored as int8, one float scale per output channel.
+"""Weight formats for fast decoding: int8 weight-only quantisation, and input-major float32 matrices.
 
 Decoding one token at a time is bound by memory: each step reads every weight matrix once, and multiplies it by
-a single vector. Storing the weights in 1 byte instead of 4 reads a quarter of the bytes, so a step can be up to
-4× faster in float32 (2× against bfloat16). The activations stay in floating point (weight-only): only the
-weights are rounded, which keeps a model's answers, unlike quantising activations too.
+a single vector. Two ways to read them faster, both applied to a trained model for inference only:
 
-Each output channel (row of W, shape (N, K)) gets its own scale s_n = max_k |W_nk| / 127 and stores
-q_nk = round(W_nk / s_n) in [-127, 127]; then x Wᵀ ≈ (x qᵀ) · s, computed by PyTorch's own int8 weight-packed
-matmul kernel (torch._weight_int8pack_mm) on the CPU, with x rounded to bfloat16 (the kernel's fast path), and
-by dequantising on the fly elsewhere.
+**int8 weights** (`quantize_int8`, `qkv generate --quantize int8`). Storing the weights in 1 byte instead of 4
+reads a quarter of the bytes, so a step can be up to 4× faster in float32 (2× against bfloat16). The
+activations stay in floating point (weight-only): only the weights are rounded, which keeps a model's answers
+far better than quantising activations too. Each output channel (row of W, shape (N, K)) gets its own scale
+s_n = max_k |W_nk| / 127 and stores q_nk = round(W_nk / s_n) in [-127, 127]; then x Wᵀ ≈ (x qᵀ) · s, computed
+by PyTorch's own int8 weight-packed matmul kernel (torch._weight_int8pack_mm) on the CPU, with x rounded to
+bfloat16 (the kernel's fast path), and by dequantising on the fly elsewhere. A tied output head (the token
+embedding matrix used again as the final Linear) gets an int8 copy of its own: that head is the largest matrix
+read per token (GPT-2: 50,257 × 768), while the embedding table is only indexed, one row per token, and stays
+in floating point.
 
-A tied output head (the token embedding matrix used again as the final Linear) gets an int8 copy of its own:
-that head is the largest matrix read per token (GPT-2: 50,257 × 768), while the embedding table is only
-indexed, one row per token, and stays in floating point.
+**Input-major float32** (`input_major`, used by `qkv generate` for one float32 sequence on the CPU). nn.Linear
+keeps W as (out, in) and computes x Wᵀ; for a single token the CPU's BLAS reads a float32 matrix faster stored
+the other way, as Wᵀ (in, out) row by row: GPT-2 small decodes ≈ 1.3× faster (benchmarks/decode.py). With
+bfloat16 weights or several sequences the usual layout is as fast or faster. A tied head gets a transposed
+copy, which costs the head's size in memory once more.
+
+Linears whose matrix their module reads directly (named in its `float_linears`: MLA's kv_up, which weight
+absorption slices per head, and the MoE router) keep their nn.Linear in both.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -67,17 +78,46 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8, bias={self.bias is not None}"
 
 
-def quantize_int8(model: nn.Module) -> nn.Module:
-    """Replace every nn.Linear of model (in place) by an Int8Linear; returns the model, for inference only.
-
-    Linears whose matrix their module reads directly (named in its `float_linears`: MLA's kv_up, which weight
-    absorption slices per head, and the MoE router) stay in floating point.
-    """
+def _replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> nn.Module:
+    """Replace every nn.Linear of model (in place, but for its float_linears) by make(linear); for inference."""
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if isinstance(child, nn.Linear) and name not in getattr(parent, "float_linears", ())]  # fmt: skip
     for parent, name, linear in targets:  # listed first: replacing while walking the tree would skip modules
-        setattr(parent, name, Int8Linear.from_linear(linear))
+        setattr(parent, name, make(linear))
     return model.eval().requires_grad_(False)
+
+
+def quantize_int8(model: nn.Module) -> nn.Module:
+    """Replace every nn.Linear of model (in place) by an Int8Linear; returns the model, for inference only."""
+    return _replace_linears(model, Int8Linear.from_linear)
+
+
+class InputMajorLinear(nn.Module):
+    """A Linear layer whose float weight is stored transposed, (in_features, out_features), for inference."""
+
+    weight_t: Tensor
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        # Not named `weight`: code that reads a Linear's W directly must fail here, not get Wᵀ.
+        self.register_buffer("weight_t", linear.weight.detach().t().contiguous())  # (K, N)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (…, K) → (…, N) = x Wᵀ + b: the same product, summed in BLAS's other order."""
+        flat = x.reshape(-1, self.in_features)  # (M, K)
+        y = flat @ self.weight_t if self.bias is None else torch.addmm(self.bias, flat, self.weight_t)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        """Shapes, as nn.Linear shows them."""
+        return f"in_features={self.in_features}, out_features={self.out_features}, input-major"
+
+
+def input_major(model: nn.Module) -> nn.Module:
+    """Replace every nn.Linear of model (in place) by an InputMajorLinear; returns the model, for inference only."""
+    return _replace_linears(model, InputMajorLinear)
 
 
 def weight_bytes(model: nn.Module) -> int:

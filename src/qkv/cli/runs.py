@@ -105,6 +105,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from qkv.quantization import quantize_int8
 
         quantize_int8(run.model)
+    elif args.dtype == "float32" and args.num_samples == 1 and run.device.type == "cpu":
+        from qkv.quantization import input_major
+
+        input_major(run.model)  # one float32 sequence: the CPU reads Wᵀ (in, out) faster (qkv/quantization.py)
     if args.prompt == "":
         raise QkvError("--prompt is empty; give at least one character to continue")
     prompt_ids = tokenizer.encode_tensor(args.prompt).to(run.device)
