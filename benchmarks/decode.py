@@ -68,18 +68,16 @@ def _timed(fn: Callable[[], Tensor], device: torch.device) -> tuple[float, Tenso
 @torch.inference_mode()
 def weight_read_bound(model: nn.Module, device: torch.device, dtype: torch.dtype, repeats: int = 10) -> float:
     """Tokens/s of a step that only multiplies one token by each weight matrix once (the memory-bound ceiling)."""
-    layers: dict[int, Callable[[Tensor], Tensor]] = {}
+    layers: dict[int, tuple[Callable[[Tensor], Tensor], int]] = {}  # each product once, with its input width
     for m in model.modules():
         if isinstance(m, nn.Linear):
-            layers[id(m.weight)] = functools.partial(F.linear, weight=m.weight)  # a tied head once
+            layers[id(m.weight)] = functools.partial(F.linear, weight=m.weight), m.in_features  # a tied head once
         elif isinstance(m, (Int8Linear, InputMajorLinear)):  # the same kernel a decode step calls
-            layers[id(m)] = m
-    sizes = {id(m.weight) if isinstance(m, nn.Linear) else id(m): m.in_features for m in model.modules()
-             if isinstance(m, (nn.Linear, Int8Linear, InputMajorLinear))}  # fmt: skip
-    inputs = {k: torch.randn(1, k, device=device, dtype=dtype) for k in set(sizes.values())}
+            layers[id(m)] = m, m.in_features
+    inputs = {k: torch.randn(1, k, device=device, dtype=dtype) for _, k in layers.values()}
     best = float("inf")
     for _ in range(repeats):
-        seconds, _ = _timed(lambda: torch.stack([f(inputs[sizes[key]]).sum() for key, f in layers.items()]), device)
+        seconds, _ = _timed(lambda: torch.stack([f(inputs[k]).sum() for f, k in layers.values()]), device)
         best = min(best, seconds)
     return 1.0 / best
 
