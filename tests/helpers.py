@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,3 +116,94 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     import os
 
     return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
+# --- a real headless browser (Debian's chromium and chromium-driver, driven by selenium) ------------------
+
+
+def find_browser() -> tuple[str, str]:
+    """Paths of Chromium and chromedriver; a missing one (or selenium) FAILS the test: CI installs them."""
+    chromium = shutil.which("chromium") or "/usr/bin/chromium"
+    chromedriver = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+    missing = [p for p in (chromium, chromedriver) if not Path(p).exists()]
+    if missing:
+        pytest.fail(f"the browser tests need Chromium and chromedriver, missing: {', '.join(missing)}; install the "
+                    "Debian packages chromium and chromium-driver (bash scripts/setup.sh --dev does)")  # fmt: skip
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        pytest.fail("the browser tests need selenium: pip install -e '.[dev]' (bash scripts/setup.sh --dev)")
+    return chromium, chromedriver
+
+
+def chrome(chromium: str, chromedriver: str, width: int = 1280, height: int = 2400) -> Any:
+    """Headless Chromium driven by selenium, recording the console log and every network request."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    options = Options()
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                f"--window-size={width},{height}"):  # fmt: skip
+        options.add_argument(arg)
+    options.binary_location = chromium
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
+    return webdriver.Chrome(service=Service(chromedriver), options=options)
+
+
+def requested_urls(driver: Any) -> list[str]:
+    """The URLs of the requests the page sent since the last call (from Chromium's performance log)."""
+    urls = []
+    for entry in driver.get_log("performance"):
+        message = json.loads(entry["message"])["message"]
+        if message["method"] == "Network.requestWillBeSent":
+            urls.append(message["params"]["request"]["url"])
+    return urls
+
+
+# --- `qkv explore` as a real process -----------------------------------------------------------------------
+
+
+@dataclass
+class Explorer:
+    """A running `qkv explore` process and the address it printed."""
+
+    url: str
+    process: Any  # subprocess.Popen[str]
+
+    def stop(self, timeout: float = 20.0) -> tuple[int, str, str]:
+        """Ctrl-C (SIGINT), then (exit code, rest of stdout, stderr)."""
+        import signal
+
+        self.process.send_signal(signal.SIGINT)
+        out, err = self.process.communicate(timeout=timeout)
+        return self.process.returncode, out, err
+
+
+@contextlib.contextmanager
+def explore_server(cwd: Path, *args: str, timeout: float = 60.0) -> Iterator[Explorer]:
+    """Start `python -m qkv explore --no-browser ARGS` in cwd; yield it once it has printed its address."""
+    import selectors
+    import subprocess
+    import sys
+    import time
+
+    command = [sys.executable, "-m", "qkv", "explore", "--no-browser", *args]
+    process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=subprocess_env())  # fmt: skip
+    try:
+        selector = selectors.DefaultSelector()
+        selector.register(process.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout
+        line = ""
+        while not line and time.monotonic() < deadline and process.poll() is None:
+            if selector.select(timeout=0.5):
+                line = process.stdout.readline()
+        if "serving http://" not in line:
+            process.kill()
+            raise AssertionError(f"qkv explore did not start: {line!r} {process.communicate()[1]}")
+        yield Explorer(line.split("serving ")[1].split()[0], process)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()

@@ -371,3 +371,39 @@ def test_the_fused_backend_cannot_record_weights() -> None:
     """Recording needs the reference path: asking for the fused one while recording is a one-line error."""
     with record_attention(), pytest.raises(QkvError, match=r"cannot record"):
         scaled_dot_product_attention(_t(3, 4), _t(2, 4), _t(2, 4), backend="fused")
+
+
+def test_two_threads_record_the_same_model_at_once() -> None:
+    """Each recorder gets every layer of its own forward pass, whatever another thread runs meanwhile."""
+    import threading
+
+    from qkv.attention import record_attention
+    from qkv.config import DecoderLMConfig
+    from qkv.models import DecoderLM
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderLMConfig(vocab_size=50, d_model=32, n_heads=2, n_layers=3, max_positions=64)).eval()
+    inputs = [torch.randint(0, 50, (1, 40)), torch.randint(0, 50, (1, 24))]
+    with record_attention(model) as alone:
+        model(inputs[0])
+    expected = alone.weights_of()
+    failures: list[str] = []
+
+    def record(ids: Tensor) -> None:
+        for _ in range(30):
+            with torch.no_grad(), record_attention(model) as recorder:
+                model(ids)
+            shapes = [tuple(w.shape[-2:]) for w in recorder.weights_of("decoder.layers.*.self_attn")]
+            if shapes != [(ids.shape[1], ids.shape[1])] * 3:
+                failures.append(f"{ids.shape[1]} tokens recorded as {shapes}")
+
+    threads = [threading.Thread(target=record, args=(ids,)) for ids in inputs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+    with record_attention(model) as again:
+        model(inputs[0])
+    for a, b in zip(again.weights_of(), expected, strict=True):
+        torch.testing.assert_close(a, b)

@@ -189,3 +189,30 @@ def test_speedrun_times_nanogpt_and_qkv_to_the_same_loss(tmp_path: Path, val: fl
         assert "× nanoGPT's time" in capsys.readouterr().out
     else:
         assert ratio == float("inf") and "never reached" in capsys.readouterr().out
+
+
+def test_explore_benchmark_times_start_up_and_every_panel(tmp_path: Path) -> None:
+    """A tiny run served by a real `qkv explore`: start-up times in order, a median and p95 for every request."""
+    from helpers import tiny_data, tiny_settings
+
+    from qkv.tasks import train
+
+    train(task="lm", verbose=False, **tiny_settings("lm", tiny_data(tmp_path / "data")), out_dir=str(tmp_path / "lm"))
+    out = tmp_path / "explore.json"
+    argv = ["--run", str(tmp_path / "lm"), "--requests", "3", "--starts", "1", "--json", str(out)]
+    assert load_benchmark("explore").main(argv) == 0
+    report = _json(out)
+    startup = report["startup"]
+    assert 0 < startup["page_s"] <= startup["first_spreadsheet_s"] <= startup["first_attention_map_s"]
+    assert [r["request"].split(" ")[0] for r in report["requests"]] == [
+        "spreadsheet",
+        "trainable",
+        "multihead",
+        "positions",
+        "norms",
+        "attention",
+        "attention",
+        "next",
+        "step",
+    ]
+    assert all(0 < r["median_ms"] <= r["p95_ms"] for r in report["requests"])

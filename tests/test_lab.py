@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import run_main
+from helpers import chrome, find_browser, run_main
 
 import qkv
 from qkv.config import DecoderLMConfig, TransformerConfig
@@ -324,43 +323,8 @@ def test_embeddings_files_csv_and_json(tmp_path: Path, capsys: pytest.CaptureFix
 # ---------------------------------------------------------------------------------------------- the report
 
 
-def _browser() -> tuple[str, str]:
-    """Paths of Chromium and chromedriver; a missing one (or selenium) FAILS the test: CI installs them."""
-    chromium = shutil.which("chromium") or "/usr/bin/chromium"
-    chromedriver = shutil.which("chromedriver") or "/usr/bin/chromedriver"
-    missing = [p for p in (chromium, chromedriver) if not Path(p).exists()]
-    if missing:
-        pytest.fail(f"the lab report test needs Chromium and chromedriver, missing: {', '.join(missing)}; install the "
-                    "Debian packages chromium and chromium-driver (bash scripts/setup.sh --dev does)")  # fmt: skip
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
-        pytest.fail("the lab report test needs selenium: pip install -e '.[dev]' (bash scripts/setup.sh --dev)")
-    return chromium, chromedriver
-
-
-def _chrome(chromium: str, chromedriver: str) -> Any:
-    """Headless Chromium driven by selenium, with the browser console log recorded."""
-    from selenium import webdriver
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
-
-    options = Options()
-    for arg in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--window-size=1280,2400",
-    ):
-        options.add_argument(arg)
-    options.binary_location = chromium
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    return webdriver.Chrome(service=Service(chromedriver), options=options)
-
-
 def test_report_opens_in_a_real_browser(tmp_path: Path, tiny_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    browser = _browser()  # before the work: a missing browser fails at once, with the reason
+    browser = find_browser()  # before the work: a missing browser fails at once, with the reason
     out = tmp_path / "report"
     # In-process: the command-line test already runs every experiment as a real process.
     code, stdout, stderr = run_main(capsys, "lab", "report", "--run", str(tiny_run), "--out", str(out))
@@ -375,7 +339,7 @@ def test_report_opens_in_a_real_browser(tmp_path: Path, tiny_run: Path, capsys: 
     for name in (*EXPERIMENTS, "attention-map"):
         assert f'id="{name}"' in html
 
-    driver = _chrome(*browser)
+    driver = chrome(*browser)
     try:
         driver.get(page.as_uri())
         images = driver.execute_script(

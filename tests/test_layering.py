@@ -13,7 +13,19 @@ import qkv
 
 SRC = Path(qkv.__file__).resolve().parent
 ROOT = SRC.parents[1]
-BLOCKED = ("sacrebleu", "sentencepiece", "transformers", "gguf", "selenium", "hypothesis", "pytest", "mkdocs", "nbmake")
+BLOCKED = (
+    "sacrebleu",
+    "sentencepiece",
+    "transformers",
+    "gguf",
+    "selenium",
+    "starlette",
+    "uvicorn",
+    "hypothesis",
+    "pytest",
+    "mkdocs",
+    "nbmake",
+)
 
 
 def _python(code: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
@@ -64,6 +76,7 @@ assert main(["train", "--data", sys.argv[1], "--max-steps", "2", "--eval-interva
              "--n-layers", "1", "--d-model", "16", "--n-heads", "2", "--sample-tokens", "20",
              "--out-dir", sys.argv[2]]) == 0
 assert main(["generate", sys.argv[2], "--max-new-tokens", "5"]) == 0
+assert main(["explore", sys.argv[2], "--no-browser"]) == 2
 sys.exit(main(["train", "translate", "--max-steps", "1", "--out-dir", sys.argv[3]]))
 """
     done = _python(code, str(text), str(tmp_path / "lm"), str(tmp_path / "tr"), cwd=tmp_path)
@@ -72,6 +85,9 @@ sys.exit(main(["train", "translate", "--max-steps", "1", "--out-dir", sys.argv[3
         "qkv train: error: validation BLEU needs the sacrebleu package: pip install 'qkv[translate]'"
     )
     assert "Traceback" not in done.stderr
+    assert "qkv explore: error: the interactive page needs the starlette package: pip install 'qkv[explore]'" in (
+        done.stderr.splitlines()
+    )
     assert not (tmp_path / "tr").exists()  # refused before anything was written
 
 

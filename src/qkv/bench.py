@@ -18,6 +18,7 @@ from qkv.errors import QkvError
 BENCHMARKS = {
     "attention": "attention.py",
     "decode": "decode.py",
+    "explore": "explore.py",
     "dropout": "dropout.py",
     "throughput": "train_throughput.py",
     "kv-cache": "kv_cache.py",

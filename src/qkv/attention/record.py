@@ -9,9 +9,10 @@ No layer takes a flag or returns weights. Instead, while a recorder is active, e
 
 Given a model, each record is labelled with the name of the attention module that made it
 (`model.named_modules()` names), and `only` limits recording to the modules it matches; the rest
-keep the fused kernel. Without a model, every call is recorded, unlabelled. With no recorder active,
-nothing is recorded and the fused kernel runs: recording costs nothing when nobody asks. A model
-compiled with torch.compile does not record (record with the model itself).
+keep the fused kernel. Without a model, every call is recorded, unlabelled. Threads may record the
+same model at once (a server does): each block's hooks act only on the forward pass run inside it.
+With no recorder active, nothing is recorded and the fused kernel runs: recording costs nothing when
+nobody asks. A model compiled with torch.compile does not record (record with the model itself).
 """
 
 from __future__ import annotations
@@ -91,7 +92,9 @@ def _entering(recorder: AttentionRecorder, name: str, selected: bool) -> Any:
     """A forward pre-hook that labels the records of module `name` (and records it only if selected)."""
 
     def hook(module: nn.Module, args: Any) -> None:
-        recorder.module, recorder.recording = name, selected
+        # Only for the forward pass of this recorder's own block: another thread may be running the same model.
+        if _ACTIVE.get() is recorder:
+            recorder.module, recorder.recording = name, selected
 
     return hook
 
@@ -100,6 +103,7 @@ def _leaving(recorder: AttentionRecorder) -> Any:
     """A forward hook that stops recording when an attention module returns."""
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        recorder.module, recorder.recording = "", False
+        if _ACTIVE.get() is recorder:
+            recorder.module, recorder.recording = "", False
 
     return hook

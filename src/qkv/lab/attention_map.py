@@ -58,6 +58,7 @@ class LayerMap:
     weights: np.ndarray  # (heads, T_q, T_k)
     query_tokens: list[str]
     key_tokens: list[str]
+    scores: np.ndarray | None = None  # (heads, T_q, T_k) before the softmax: q·k × scale, −inf where masked
 
 
 @dataclass
@@ -130,9 +131,12 @@ def _check_fits(n_tokens: int, max_positions: int) -> None:
         raise QkvError(f"the text is {n_tokens} tokens long but the model reads at most {max_positions}; shorten it")
 
 
-def _layer_maps(kind: str, weights: list[torch.Tensor], q_tokens: list[str], k_tokens: list[str]) -> list[LayerMap]:
-    """LayerMaps from a model's per-layer (1, H, T_q, T_k) weights."""
-    return [LayerMap(kind, i, w[0].detach().float().cpu().numpy(), q_tokens, k_tokens) for i, w in enumerate(weights)]
+def _layer_maps(kind: str, recorder: AttentionRecorder, pattern: str, q_tokens: list[str],
+                k_tokens: list[str]) -> list[LayerMap]:  # fmt: skip
+    """LayerMaps of the recorded modules matching `pattern`, one per layer ((1, H, T_q, T_k) each)."""
+    pairs = zip(recorder.weights_of(pattern), recorder.scores_of(pattern), strict=True)
+    return [LayerMap(kind, i, w[0].float().cpu().numpy(), q_tokens, k_tokens, s[0].float().cpu().numpy())
+            for i, (w, s) in enumerate(pairs)]  # fmt: skip
 
 
 def _checked_batch(ids: torch.Tensor | Sequence[int], tokens: Sequence[str], max_positions: int) -> torch.Tensor:
@@ -165,9 +169,9 @@ def _one_stack_maps(
     batch = _checked_batch(ids, tokens, model.cfg.max_positions)
     with torch.no_grad(), record_attention(model) as recorder:
         model(batch.to(next(model.parameters()).device))
-    weights = recorder.weights_of(f"{stack}.layers.*.self_attn")
     model_type = "decoder_lm" if stack == "decoder" else "encoder"
-    return AttentionMapResult(model_type, _layer_maps("self", weights, list(tokens), list(tokens)))
+    return AttentionMapResult(model_type, _layer_maps("self", recorder, f"{stack}.layers.*.self_attn",
+                                                      list(tokens), list(tokens)))  # fmt: skip
 
 
 def transformer_attention_maps(
@@ -193,9 +197,9 @@ def _encoder_decoder_maps(
 ) -> AttentionMapResult:
     """The encoder self-, decoder self- and cross-attention maps of a recorded encoder–decoder pass."""
     s, t = list(src_tokens), list(tgt_tokens)
-    maps = _layer_maps("encoder", recorder.weights_of("encoder.layers.*.self_attn"), s, s)
-    maps += _layer_maps("decoder", recorder.weights_of("decoder.layers.*.self_attn"), t, t)
-    maps += _layer_maps("cross", recorder.weights_of("decoder.layers.*.cross_attn"), t, s)
+    maps = _layer_maps("encoder", recorder, "encoder.layers.*.self_attn", s, s)
+    maps += _layer_maps("decoder", recorder, "decoder.layers.*.self_attn", t, t)
+    maps += _layer_maps("cross", recorder, "decoder.layers.*.cross_attn", t, s)
     return AttentionMapResult("transformer", maps)
 
 
@@ -205,7 +209,13 @@ def attention_map(run_dir: str | Path, text: str = DEFAULT_TEXT, checkpoint: str
 
     if not text:
         raise QkvError("--text is empty; give the text whose attention to show")
-    run = load(run_dir, checkpoint)
+    return run_attention_maps(load(run_dir, checkpoint), text)
+
+
+def run_attention_maps(run: Any, text: str) -> AttentionMapResult:
+    """Attention maps of a loaded run (qkv.tasks.load) on `text`: a translation run's source, or a model's input."""
+    if not text:
+        raise QkvError("the text is empty; give the text whose attention to show")
     if isinstance(run.model, Transformer):
         return _translation_maps(run, text)
     tokenizer = run.require_tokenizer()

@@ -34,7 +34,8 @@ EXPLANATION = (
     "product with every word (how related they are), exponentiate, normalise so the weights sum to 1, and "
     "add up the word vectors with those weights. With hand-made embeddings whose dimensions mean "
     "[finance, nature, people, action], the ambiguous 'bank' = [1, 1, 0, 0] becomes mostly nature next to "
-    "'river' and mostly finance next to 'money'. A real layer first projects the inputs with learned "
+    "'river' and mostly finance next to 'money'. The third table is the classic spreadsheet's: \"A man has kept "
+    'money in the bank", 3 unnamed numbers per word. A real layer first projects the inputs with learned '
     "matrices W_q, W_k, W_v; the second walkthrough does that and prints every shape."
 )
 
@@ -53,14 +54,27 @@ VOCAB: dict[str, tuple[float, ...]] = {
     "bank": (1.0, 1.0, 0.0, 0.0),
 }
 SENTENCES = {"river": "she sat on the river bank", "money": "she deposited money at the bank"}
+# The classic spreadsheet's table: 8 words, each a 3-number embedding whose dimensions have no names.
+CLASSIC: dict[str, tuple[float, float, float]] = {
+    "A": (-0.03, -0.78, 0.006),
+    "Man": (-0.024, -0.259, -0.002),
+    "has": (-0.148, -0.049, -0.242),
+    "kept": (-0.447, -0.265, -0.469),
+    "money": (-0.207, -0.336, -0.411),
+    "in": (-0.133, 0.546, 0.076),
+    "the": (-0.013, 0.833, -0.044),
+    "bank": (0.02, -0.286, 0.524),
+}
 TRAINABLE_SENTENCE = "The next day is bright"
 EXP_LIMIT = 700.0  # exp(709.8) overflows float64
 
 
 def builtin_example(name: str) -> tuple[list[str], np.ndarray]:
-    """Words and embedding matrix (one row per word) of a built-in sentence: 'river' or 'money'."""
+    """Words and embedding matrix (one row per word) of a built-in sentence: 'river', 'money' or 'classic'."""
+    if name == "classic":
+        return list(CLASSIC), np.array(list(CLASSIC.values()))
     if name not in SENTENCES:
-        raise QkvError(f"unknown built-in sentence {name!r}; choose one of: {', '.join(SENTENCES)}")
+        raise QkvError(f"unknown built-in sentence {name!r}; choose one of: {', '.join([*SENTENCES, 'classic'])}")
     words = SENTENCES[name].split()
     return words, np.array([VOCAB[w] for w in words])
 
@@ -255,6 +269,7 @@ class TrainableWalkthrough:
     scores: np.ndarray  # (T, T) Q Kᵀ, before the 1/√d_out scale
     weights: np.ndarray  # (T, T) softmax(scores / √d_out), rows sum to 1
     context: np.ndarray  # (T, d_out)
+    causal: bool = False  # whether word i attended only to words 0…i
 
     def table(self) -> str:
         """Each step with its shape, and the matrices with words as row labels."""
@@ -266,7 +281,10 @@ class TrainableWalkthrough:
             ("K = X W_k", self.k),
             ("V = X W_v", self.v),
             ("scores = Q Kᵀ (row: query word, column: key word)", self.scores),
-            (f"weights = softmax(scores / √{d_out}) row by row", self.weights),
+            (
+                f"weights = softmax(scores / √{d_out}) row by row" + (", causal: j > i masked" if self.causal else ""),
+                self.weights,
+            ),
             ("context = weights V: one new vector per word", self.context),
         ]
         parts = [f'"{" ".join(self.words)}": T = {len(self.words)} words, d_in = {d_in}, d_out = {d_out}']
@@ -286,9 +304,12 @@ class TrainableWalkthrough:
 
 
 def trainable_walkthrough(
-    sentence: str = TRAINABLE_SENTENCE, d_in: int = 8, d_out: int = 4, seed: int = 123
+    sentence: str = TRAINABLE_SENTENCE, d_in: int = 8, d_out: int = 4, seed: int = 123, causal: bool = False
 ) -> TrainableWalkthrough:
-    """Q, K, V from seeded W_q, W_k, W_v (d_in, d_out), attended with qkv.scaled_dot_product_attention."""
+    """Q, K, V from seeded W_q, W_k, W_v (d_in, d_out), attended with qkv.scaled_dot_product_attention.
+
+    causal: each word attends only to itself and the words before it (the decoder's masked self-attention).
+    """
     words = sentence.split()
     if not words or d_in < 1 or d_out < 1:
         raise QkvError(f"need a non-empty sentence and positive sizes, got {sentence!r}, d_in={d_in}, d_out={d_out}")
@@ -298,10 +319,12 @@ def trainable_walkthrough(
     w_q, w_k, w_v = (torch.randn(d_in, d_out, generator=gen, dtype=torch.float64) / math.sqrt(d_in) for _ in range(3))
     q, k, v = x @ w_q, x @ w_k, x @ w_v  # (T, d_out) each
     with record_attention() as recorder:
-        context = scaled_dot_product_attention(q, k, v)  # scale 1/√d_out
+        context = scaled_dot_product_attention(q, k, v, causal=causal)  # scale 1/√d_out
     weights = recorder.weights_of()[0]
-    arrays = [t.numpy() for t in (x, w_q, w_k, w_v, q, k, v, q @ k.T, weights, context)]
-    return TrainableWalkthrough(words, *arrays)
+    x_, w_q_, w_k_, w_v_, q_, k_, v_, scores_, weights_, context_ = (
+        t.numpy() for t in (x, w_q, w_k, w_v, q, k, v, q @ k.T, weights, context)
+    )
+    return TrainableWalkthrough(words, x_, w_q_, w_k_, w_v_, q_, k_, v_, scores_, weights_, context_, causal)
 
 
 def plot(result: Walkthrough | Sequence[Walkthrough] | TrainableWalkthrough, path: str | Path | None) -> Figure:
@@ -351,7 +374,7 @@ def run(
     scale: bool = True,
     seed: int = 123,
 ) -> Section:
-    """The built-in 'bank' sentences (or a file's), then the trainable walkthrough; writes two PNGs."""
+    """The built-in 'bank' sentences and the classic table (or a file's), then the trainable walkthrough; two PNGs."""
     if embeddings is not None:
         words, emb, dims = load_embeddings(embeddings)
         if query is None:
@@ -359,6 +382,7 @@ def run(
         items = [walkthrough(words, emb, query, scale, dims)]
     else:
         items = [walkthrough(*builtin_example(name), query or "bank", scale, DIMS) for name in SENTENCES]
+        items.append(walkthrough(*builtin_example("classic"), query or "bank", scale))
     trainable = trainable_walkthrough(seed=seed)
     paths = [out_dir / "walkthrough.png", out_dir / "walkthrough-trainable.png"]
     plot(items, paths[0])

@@ -1,0 +1,163 @@
+"""`qkv explore`'s responsiveness: start-up time, and median / p95 response times of every panel's request.
+
+Starts `python -m qkv explore RUN --no-browser` as a real process (three times, for the start-up) and
+sends each panel's request --requests times in a row, as the page does while a slider moves or text is
+typed. Start-up is timed from process launch to the first 200 of the page ("/"), of the first
+spreadsheet answer (the panels' numbers need torch: imported in the background once the server listens)
+and of the first attention map of the run (its model read from disk).
+Targets (issue 19, 2 CPU cores): start-up ≤ 3 s; p95 ≤ 100 ms for the spreadsheet and trainable-weights
+panels; ≤ 300 ms for the model panels on the default Shakespeare model.
+
+    python benchmarks/explore.py                       # trains the default model first (`qkv train`, ~25 s)
+    python benchmarks/explore.py --run runs/lm --requests 100 --json explore.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qkv.bench import save_report
+
+SHAKESPEARE = "ROMEO: But, soft! what light through yonder window breaks? It is the east, and Juliet is the sun."
+TARGETS_MS = {"spreadsheet": 100, "trainable": 100, "model": 300}
+
+
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One POST of the API; raises on anything but 200."""
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        answer: dict[str, Any] = json.loads(response.read())
+    return answer
+
+
+def _until(check: Callable[[], Any], timeout: float = 120.0) -> Any:
+    """Retry check() until it stops raising (the server is starting); the last error after the timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return check()
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
+def start(run: Path, env: dict[str, str]) -> tuple[subprocess.Popen[str], str, dict[str, float]]:
+    """Launch the explorer; (process, url, seconds from launch to the page, a spreadsheet, an attention map)."""
+    begin = time.perf_counter()
+    process = subprocess.Popen([sys.executable, "-m", "qkv", "explore", str(run), "--no-browser"], env=env,
+                               stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    if "serving http://" not in line:
+        process.kill()
+        raise SystemExit(f"qkv explore did not start: {line!r}")
+    url = line.split("serving ")[1].split()[0]
+    times = {}
+    _until(lambda: urllib.request.urlopen(url, timeout=30).read())
+    times["page_s"] = time.perf_counter() - begin
+    _post(url + "api/spreadsheet", {"words": ["a", "b"], "embeddings": [[1.0], [2.0]], "query": 1})
+    times["first_spreadsheet_s"] = time.perf_counter() - begin
+    _post(url + "api/attention", {"run": str(run), "text": "ROMEO:"})
+    times["first_attention_map_s"] = time.perf_counter() - begin
+    return process, url, times
+
+
+def requests(run: Path, context: int) -> dict[str, tuple[str, Callable[[int], dict[str, Any]]]]:
+    """Each measured request: (its panel's target, the body of the i-th request), as the page sends them.
+
+    The typed text is 60 to 99 characters (at most the model's context); "full context" fills the context.
+    """
+    classic = {"words": ["A", "Man", "has", "kept", "money", "in", "the", "bank"],
+               "embeddings": [[-0.03, -0.78, 0.006], [-0.024, -0.259, -0.002], [-0.148, -0.049, -0.242],
+                              [-0.447, -0.265, -0.469], [-0.207, -0.336, -0.411], [-0.133, 0.546, 0.076],
+                              [-0.013, 0.833, -0.044], [0.02, -0.286, 0.524]], "query": 7}  # fmt: skip
+    name = str(run)
+    typed = [SHAKESPEARE[: min(60 + i % 40, context)] for i in range(40)]
+    sliders = [{"temperature": 0.8, "top_k": 10, "top_p": 0.9}, {"temperature": 0.0}, {"temperature": 1.5}]
+    full = [(SHAKESPEARE * (1 + 2 * context // len(SHAKESPEARE)))[i : i + context] for i in range(20)]
+    return {
+        "spreadsheet": ("spreadsheet", lambda i: {**classic, "factor": 1 + i % 100}),  # the scale slider moving
+        "trainable": ("trainable", lambda i: {"seed": i, "causal": i % 2 == 1}),
+        "multihead": ("trainable", lambda i: {"n_heads": (1, 2, 4, 8, 16)[i % 5], "seed": i}),
+        "positions": ("spreadsheet", lambda i: {"d_model": 64, "position": i % 100, "offset": 5, "max_len": 160}),
+        "norms": ("spreadsheet", lambda i: {"batch": [[1, 2, 3, i], [2, 4, 6, 20], [0.5, -1, 3, 5]]}),
+        "attention (typed text)": ("model", lambda i: {"run": name, "text": typed[i % 40]}),
+        "attention (full context)": ("model", lambda i: {"run": name, "text": full[i % 20]}),
+        "next": ("model", lambda i: {"run": name, "text": typed[i % 40], **sliders[i % 3]}),
+        "step": ("model", lambda i: {"run": name, "text": typed[i % 40], "temperature": 1.0, "seed": i}),
+    }
+
+
+def measure(url: str, run: Path, n: int) -> list[dict[str, Any]]:
+    """Median and p95 milliseconds of each request type, sent n times in a row after one warm-up."""
+    rows = []
+    context = _post(url + "api/model", {"run": str(run)})["max_positions"]  # characters, for a char-level model
+    for label, (target, body) in requests(run, context).items():
+        route = label.split(" ")[0]
+        _post(url + f"api/{route}", body(0))
+        times = []
+        for i in range(n):
+            begin = time.perf_counter()
+            _post(url + f"api/{route}", body(i))
+            times.append((time.perf_counter() - begin) * 1000)
+        p95 = float(np.percentile(times, 95))
+        rows.append({"request": label, "median_ms": float(np.median(times)), "p95_ms": p95,
+                     "target_ms": TARGETS_MS[target], "met": p95 <= TARGETS_MS[target]})  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse options, (train,) start, measure, print, optionally save JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--run", help="a run directory (default: train the default `qkv train` model first)")
+    parser.add_argument("--requests", type=int, default=50, help="requests of each kind")
+    parser.add_argument("--starts", type=int, default=3, help="start-ups timed")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args(argv)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(args.run) if args.run else Path(tmp) / "lm"
+        if args.run is None:
+            print("training the default model (qkv train) …", flush=True)
+            subprocess.run([sys.executable, "-m", "qkv", "train", "--out-dir", str(run), "--sample-tokens", "0"],
+                           check=True, env=env, stdout=subprocess.DEVNULL)  # fmt: skip
+        run = run.resolve()
+        starts = []
+        for i in range(args.starts):
+            process, url, times = start(run, env)
+            starts.append(times)
+            if i < args.starts - 1:
+                process.terminate()
+                process.wait()
+        try:
+            rows = measure(url, run, args.requests)
+        finally:
+            process.terminate()
+            process.wait()
+    startup = {key: float(np.median([s[key] for s in starts])) for key in starts[0]}
+    print(f"start-up (median of {len(starts)}, process launch to the first answer; target ≤ 3 s):")
+    for key, value in startup.items():
+        print(f"  {key:<24} {value:6.2f} s")
+    print(f"\n{'request':<26} {'median ms':>10} {'p95 ms':>8} {'target':>7}  met   ({args.requests} requests each)")
+    for r in rows:
+        print(f"{r['request']:<26} {r['median_ms']:>10.1f} {r['p95_ms']:>8.1f} {r['target_ms']:>7}  {r['met']}")
+    save_report(args.json, {"startup": startup, "starts": starts, "requests": rows, "n": args.requests,
+                            "threads": os.cpu_count()})  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""`qkv explore [RUN_DIR]`: the interactive page, served on this machine (qkv.explore)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    """Add explore to the `qkv` sub-parsers."""
+    p = sub.add_parser("explore", help="the Transformer as an interactive page in your browser, on your own model")
+    p.set_defaults(handler=cmd_explore)
+    p.add_argument("run_dir", nargs="?", help="a run directory to open (default: choose among those under --runs)")
+    p.add_argument("--runs", default="runs", help="where the page looks for run directories (default: runs)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address to listen on (default 127.0.0.1: this machine only)")  # fmt: skip
+    p.add_argument("--port", type=int, default=0, help="the port (default: a free one)")
+    p.add_argument("--no-browser", action="store_true", help="print the address without opening a browser")
+    p.add_argument("--checkpoint", default="best", help="best or last weights of the runs")
+
+
+def cmd_explore(args: argparse.Namespace) -> int:
+    """Serve the page until Ctrl-C."""
+    from qkv.errors import QkvError
+    from qkv.extras import require
+
+    if not 0 <= args.port <= 65535:
+        raise QkvError(f"--port must be between 0 and 65535, got {args.port}")
+    if args.checkpoint not in ("best", "last"):
+        raise QkvError(f"--checkpoint must be best or last, got {args.checkpoint!r}")
+    for package in ("starlette", "uvicorn"):
+        require(package, "explore", "the interactive page")
+    from qkv.explore.library import RunLibrary
+    from qkv.explore.server import serve
+
+    run_dir = Path(args.run_dir) if args.run_dir is not None else None
+    if run_dir is not None and not (run_dir / "config.json").is_file():
+        raise QkvError(f"{run_dir} is not a run directory (no config.json); train one with `qkv train`")
+    library = RunLibrary(run_dir, Path(args.runs), args.checkpoint)
+    serve(library, args.host, args.port, open_browser=not args.no_browser)
+    print("qkv explore: stopped")
+    return 0

@@ -1,0 +1,94 @@
+"""A request's JSON body, read field by field: each wrong field is a one-line 400 that names it."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from qkv.errors import QkvError
+
+MISSING = object()
+MAX_TEXT = 20_000  # characters of typed text
+
+
+class Body:
+    """The fields of one JSON request, each read with its type and range checked."""
+
+    def __init__(self, payload: dict[str, Any]) -> None:
+        self.payload = payload
+
+    def _get(self, name: str, default: Any) -> Any:
+        """The raw field, its default, or a 400 when a required field is missing."""
+        value = self.payload.get(name, default)
+        if value is MISSING:
+            raise QkvError(f"the request needs the field {name!r}")
+        return value
+
+    def boolean(self, name: str, default: Any = MISSING) -> bool:
+        """A true/false field."""
+        value = self._get(name, default)
+        if not isinstance(value, bool):
+            raise QkvError(f"{name!r} must be true or false, got {value!r}")
+        return value
+
+    def integer(self, name: str, low: int, high: int, default: Any = MISSING) -> int:
+        """A whole number in [low, high]."""
+        value = self._get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise QkvError(f"{name!r} must be a whole number between {low} and {high}, got {value!r}")
+        return value
+
+    def optional_integer(self, name: str, low: int, high: int) -> int | None:
+        """A whole number in [low, high], or null / absent."""
+        return None if self.payload.get(name) is None else self.integer(name, low, high)
+
+    def number(self, name: str, low: float, high: float, default: Any = MISSING) -> float:
+        """A finite number in [low, high]."""
+        value = self._get(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise QkvError(f"{name!r} must be a finite number, got {value!r}")
+        if not low <= value <= high:
+            raise QkvError(f"{name!r} must be between {low:g} and {high:g}, got {value!r}")
+        return float(value)
+
+    def text(self, name: str, default: Any = MISSING, limit: int = MAX_TEXT) -> str:
+        """A string of at most `limit` characters."""
+        value = self._get(name, default)
+        if not isinstance(value, str):
+            raise QkvError(f"{name!r} must be a string, got {type(value).__name__}")
+        if len(value) > limit:
+            raise QkvError(f"{name!r} is {len(value):,} characters long; the limit is {limit:,}")
+        return value
+
+    def strings(self, name: str, limit: int = 64) -> list[str]:
+        """A list of non-empty strings without spaces (words)."""
+        value = self._get(name, MISSING)
+        if not isinstance(value, list) or not all(isinstance(w, str) and w.strip() for w in value):
+            raise QkvError(f"{name!r} must be a list of non-empty strings")
+        if len(value) > limit:
+            raise QkvError(f"{name!r} holds {len(value)} entries; the limit is {limit}")
+        return [w.strip() for w in value]
+
+    def matrix(self, name: str, limit: int = 64) -> list[list[float]]:
+        """A non-empty list of equally long lists of finite numbers."""
+        value = self._get(name, MISSING)
+        rows = value if isinstance(value, list) and 0 < len(value) <= limit else None
+        if rows is None or not all(isinstance(r, list) and 0 < len(r) <= limit for r in rows):
+            raise QkvError(f"{name!r} must be a non-empty table (a list of lists) of at most {limit} × {limit} numbers")
+        if len({len(r) for r in rows}) != 1:
+            raise QkvError(f"the rows of {name!r} must all have the same length")
+        numbers = (v for r in rows for v in r)
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in numbers):
+            raise QkvError(f"{name!r} must hold finite numbers only")
+        return [[float(v) for v in r] for r in rows]
+
+    def ids(self, name: str, limit: int = 100_000) -> list[int] | None:
+        """A list of token ids, or null / absent."""
+        value = self.payload.get(name)
+        if value is None:
+            return None
+        if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+            raise QkvError(f"{name!r} must be a list of token ids (whole numbers)")
+        if len(value) > limit:
+            raise QkvError(f"{name!r} holds {len(value):,} ids; the limit is {limit:,}")
+        return value

@@ -1,0 +1,160 @@
+"""The explorer's "your model" panel: which runs it may open, and what a loaded run computes for the page.
+
+Attention maps come from qkv.lab.attention_map (the recorder of qkv.attention), next-token
+distributions from qkv.generation's own filter and sampler: the page shows the numbers the Python
+API gives. Matrices travel packed: {"shape": [...], "data": base64 of little-endian float32}, exact
+and a fraction of the size of JSON numbers (a full 128-token map of 3 layers × 4 heads is 196,608 weights).
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import numpy as np
+import torch
+
+from qkv.attention import record_attention
+from qkv.errors import QkvError
+from qkv.explore.library import RunInfo
+from qkv.generation import Sampling, filter_logits, sample_next
+from qkv.lab.attention_map import run_attention_maps
+from qkv.models import DecoderLM
+
+TOP_TOKENS = 20  # rows of the next-token chart
+MAX_WEIGHTS = 1 << 24  # attention weights of one text, all layers and heads: 64 MB of float32 (and as many scores)
+
+
+def pack(array: np.ndarray | torch.Tensor) -> dict[str, Any]:
+    """A matrix as its shape and its float32 bytes in base64 (the page reads it into a Float32Array)."""
+    a = np.ascontiguousarray(np.asarray(array, dtype="<f4"))
+    return {"shape": list(a.shape), "data": base64.b64encode(a.tobytes()).decode("ascii")}
+
+
+def describe(run: Any, info: RunInfo) -> dict[str, Any]:
+    """What the page needs to set up its controls for a run: task, layers, heads and context length."""
+    cfg = run.model.cfg
+    layers = getattr(cfg, "n_layers", None) or getattr(cfg, "n_encoder_layers", None)
+    return {"name": info.name, "task": info.task, "n_layers": layers, "n_heads": cfg.n_heads,
+            "max_positions": cfg.max_positions, "causal": isinstance(run.model, DecoderLM)}  # fmt: skip
+
+
+def attention(run: Any, text: str, layer: int | None = None, head: int | None = None) -> dict[str, Any]:
+    """Every layer's and head's weights and pre-softmax scores on `text`, grouped by kind (self, encoder, …).
+
+    layer, head: only that layer (and head) of each kind, as (1, 1 or H, T_q, T_k) arrays.
+    """
+    _check_size(run, text)
+    result = run_attention_maps(run, text)
+    n_layers, n_heads = max(m.layer for m in result.maps) + 1, result.maps[0].weights.shape[0]
+    if layer is not None and not 0 <= layer < n_layers:
+        raise QkvError(f"layer {layer} is out of range: the model has layers 0 to {n_layers - 1}")
+    if head is not None and not 0 <= head < n_heads:
+        raise QkvError(f"head {head} is out of range: the model has heads 0 to {n_heads - 1}")
+    heads = slice(None) if head is None else slice(head, head + 1)
+    kinds: dict[str, Any] = {}
+    for m in (m for m in result.maps if layer is None or m.layer == layer):
+        kind = kinds.setdefault(m.kind, {"query_tokens": m.query_tokens, "key_tokens": m.key_tokens,
+                                         "weights": [], "scores": []})  # fmt: skip
+        assert m.scores is not None  # recorded maps carry their scores
+        kind["weights"].append(m.weights[heads])
+        kind["scores"].append(m.scores[heads])
+    for kind in kinds.values():  # (layers, heads, T_q, T_k) each
+        kind["weights"], kind["scores"] = pack(np.stack(kind["weights"])), pack(np.stack(kind["scores"]))
+    out: dict[str, Any] = {"model_type": result.model_type, "kinds": kinds}
+    if "cross" in kinds:  # the greedy translation whose decoding the maps show
+        out["translation"] = run.translator().translate([text], beam_size=1)[0]
+    return out
+
+
+def _check_size(run: Any, text: str) -> None:
+    """Refuse a text whose maps (every layer and head) would not fit in memory: a long text on a large model."""
+    cfg = run.model.cfg
+    layers = getattr(cfg, "n_layers", None) or cfg.n_encoder_layers + 2 * cfg.n_decoder_layers
+    tokenizer = run.translator().tokenizer if run.task == "translate" else run.require_tokenizer()
+    n = len(tokenizer.encode(text)) * (2 if run.task == "translate" else 1)  # a translation: about as long again
+    limit = int((MAX_WEIGHTS / (layers * cfg.n_heads)) ** 0.5)
+    if n > limit:
+        raise QkvError(f"the text is about {n} tokens long; this model's maps (every layer and head) hold at most "
+                       f"{limit} tokens: shorten it")  # fmt: skip
+
+
+def _language_model(run: Any) -> DecoderLM:
+    """The run's model, or a 400 for a run that does not predict the next token."""
+    if not isinstance(run.model, DecoderLM):
+        raise QkvError(f"a {run.task} run does not predict the next token; open a language-model run")
+    model: DecoderLM = run.model
+    return model
+
+
+def _ids(run: Any, text: str | None, ids: list[int] | None) -> list[int]:
+    """The token ids to continue: the page's own ids when it has them (exact), else the text encoded."""
+    tokenizer = run.require_tokenizer()
+    if ids is None:
+        if not text:
+            raise QkvError("the text is empty; type something for the model to continue")
+        ids = list(tokenizer.encode(text))
+    if not ids:
+        raise QkvError("the text encodes to no tokens")
+    vocab = run.model.cfg.vocab_size
+    if any(not 0 <= i < vocab for i in ids):
+        raise QkvError(f"token ids must be between 0 and {vocab - 1}")
+    return ids
+
+
+def _forward(model: DecoderLM, window: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Last-position logits (V,) and each layer's attention weights (H, T, T) for a window of ids."""
+    device = next(model.parameters()).device
+    with torch.no_grad(), record_attention(model, only="decoder.layers.*.self_attn") as recorder:
+        logits = model(torch.tensor([window], device=device))[0, -1].float()
+    return logits, [w[0].float().cpu() for w in recorder.weights_of()]
+
+
+def _distribution(logits: torch.Tensor, sampling: Sampling, tokenizer: Any) -> dict[str, Any]:
+    """The next-token distribution as the model gives it and as temperature, top-k and top-p reshape it."""
+    base = torch.softmax(logits, dim=-1)
+    if sampling.temperature == 0:  # greedy: all the mass on the argmax
+        shaped = torch.zeros_like(base).scatter_(0, logits.argmax()[None], 1.0)
+    else:
+        shaped = torch.softmax(filter_logits(logits[None] / sampling.temperature, sampling.top_k,
+                                             sampling.top_p)[0], dim=-1)  # fmt: skip
+    top = torch.argsort(base, descending=True)[:TOP_TOKENS].tolist()
+    kept = shaped > 0
+    return {
+        "tokens": [tokenizer.decode([i]) for i in top],
+        "ids": top,
+        "model_probs": [float(base[i]) for i in top],
+        "probs": [float(shaped[i]) for i in top],
+        "kept": int(kept.sum()),
+        "entropy": float(-(shaped[kept] * shaped[kept].log()).sum()),
+        "greedy": tokenizer.decode([int(logits.argmax())]),
+    }
+
+
+def next_token(run: Any, text: str | None, ids: list[int] | None, sampling: Sampling) -> dict[str, Any]:
+    """The next-token distribution after the text (its last max_positions tokens, as generation reads them)."""
+    model = _language_model(run)
+    window = _ids(run, text, ids)[-model.cfg.max_positions :]
+    logits, _ = _forward(model, window)
+    return _distribution(logits, sampling, run.require_tokenizer())
+
+
+def step(run: Any, text: str | None, ids: list[int] | None, sampling: Sampling) -> dict[str, Any]:
+    """One generation step: the token picked as qkv.generation picks it, and the attention row that produced it."""
+    model = _language_model(run)
+    tokenizer = run.require_tokenizer()
+    ids = _ids(run, text, ids)
+    window = ids[-model.cfg.max_positions :]
+    logits, weights = _forward(model, window)
+    generator = sampling.generator(logits.device)
+    token = int(sample_next(logits[None], sampling, generator)[0])
+    rows = torch.stack([w[:, -1, :] for w in weights])  # (layers, heads, T): the last query's row in each head
+    return {
+        "token": token,
+        "token_text": tokenizer.decode([token]),
+        "ids": [*ids, token],
+        "text": tokenizer.decode([*ids, token]),
+        "window_tokens": [tokenizer.decode([i]) for i in window],
+        "rows": pack(rows),
+        "distribution": _distribution(logits, sampling, tokenizer),
+    }

@@ -1,0 +1,110 @@
+"""The explorer's JSON API: one function per POST route, reading its request body and calling the panels.
+
+    POST /api/spreadsheet  {words, embeddings (one vector per word), query, sqrt_scale, factor}
+    POST /api/trainable    {seed, causal, sentence}
+    POST /api/multihead    {n_heads, seed}
+    POST /api/positions    {d_model, position, offset, max_len}
+    POST /api/norms        {batch (tokens × features)}
+    POST /api/model        {run}: its task, layers, heads and context length
+    POST /api/attention    {run, text, layer?, head?}: weights and pre-softmax scores, every layer and head
+    POST /api/next         {run, text | ids, temperature, top_k, top_p}: the next-token distribution
+    POST /api/step         {run, text | ids, temperature, top_k, top_p, seed}: one generated token
+GET /api/runs lists the runs the page may open.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from qkv.explore import model_panel, panels
+from qkv.explore.body import Body
+from qkv.explore.library import RunLibrary
+from qkv.generation import Sampling
+from qkv.lab.walkthrough import TRAINABLE_SENTENCE
+
+SEED_LIMIT = 2**31 - 1
+
+
+def runs(library: RunLibrary) -> dict[str, Any]:
+    """The runs the page may open, the one given on the command line first, and the classic table."""
+    found = [{"name": r.name, "task": r.task} for r in library.available()]
+    default = library.default.name if library.default is not None else None
+    return {"runs": found, "default": default, "classic": panels.classic_table()}
+
+
+def spreadsheet(library: RunLibrary, body: Body) -> dict[str, Any]:
+    """POST /api/spreadsheet."""
+    words = body.strings("words", panels.MAX_WORDS)
+    embeddings = body.matrix("embeddings", panels.MAX_WORDS)
+    query = body.integer("query", 0, max(len(words) - 1, 0))
+    return panels.spreadsheet(words, embeddings, query, body.boolean("sqrt_scale", True),
+                              body.number("factor", -1e6, 1e6, 1.0))  # fmt: skip
+
+
+def trainable(library: RunLibrary, body: Body) -> dict[str, Any]:
+    """POST /api/trainable."""
+    return panels.trainable(body.integer("seed", 0, SEED_LIMIT, 123), body.boolean("causal", False),
+                            body.text("sentence", TRAINABLE_SENTENCE, limit=400))  # fmt: skip
+
+
+def multihead(library: RunLibrary, body: Body) -> dict[str, Any]:
+    """POST /api/multihead."""
+    return panels.multi_head(body.integer("n_heads", 1, 16, 8), body.integer("seed", 0, SEED_LIMIT, 0))
+
+
+def positions(library: RunLibrary, body: Body) -> dict[str, Any]:
+    """POST /api/positions."""
+    limit = panels.MAX_PE_LENGTH
+    return panels.positions(body.integer("d_model", 2, 512, 64), body.integer("position", 0, limit, 10),
+                            body.integer("offset", 0, limit, 5), body.integer("max_len", 2, limit, 100))  # fmt: skip
+
+
+def norms(library: RunLibrary, body: Body) -> dict[str, Any]:
+    """POST /api/norms."""
+    return panels.norms(body.matrix("batch", panels.NORM_LIMIT))
+
+
+def model(library: RunLibrary, body: Body) -> dict[str, Any]:
+    """POST /api/model."""
+    name = body.text("run", limit=4096)
+    return model_panel.describe(library.load(name), library.resolve(name))
+
+
+def attention(library: RunLibrary, body: Body) -> dict[str, Any]:
+    """POST /api/attention."""
+    run = library.load(body.text("run", limit=4096))
+    layer, head = body.optional_integer("layer", -(2**31), 2**31), body.optional_integer("head", -(2**31), 2**31)
+    return model_panel.attention(run, body.text("text"), layer, head)
+
+
+def _sampling(body: Body) -> Sampling:
+    """Temperature (0 = greedy), top-k (null: off), top-p (1: off) and a seed from the request."""
+    return Sampling(body.number("temperature", 0.0, 100.0, 1.0), body.optional_integer("top_k", 1, 10**9),
+                    body.number("top_p", 1e-6, 1.0, 1.0), body.optional_integer("seed", 0, SEED_LIMIT))  # fmt: skip
+
+
+def next_token(library: RunLibrary, body: Body) -> dict[str, Any]:
+    """POST /api/next."""
+    run = library.load(body.text("run", limit=4096))
+    return model_panel.next_token(run, body.text("text", ""), body.ids("ids"), _sampling(body))
+
+
+def step(library: RunLibrary, body: Body) -> dict[str, Any]:
+    """POST /api/step."""
+    run = library.load(body.text("run", limit=4096))
+    return model_panel.step(run, body.text("text", ""), body.ids("ids"), _sampling(body))
+
+
+POSTS: dict[str, Callable[[RunLibrary, Body], dict[str, Any]]] = {
+    "spreadsheet": spreadsheet, "trainable": trainable, "multihead": multihead, "positions": positions,
+    "norms": norms, "model": model, "attention": attention, "next": next_token, "step": step,
+}  # fmt: skip
+
+
+def warm_up(library: RunLibrary) -> None:
+    """Compute one spreadsheet and read the first run, so that the page's first requests wait for nothing."""
+    table = panels.classic_table()
+    panels.spreadsheet(table["words"], table["embeddings"], table["query"])
+    if library.default is not None:
+        library.load(library.default.name)

@@ -1,0 +1,25 @@
+// The page: four panels behind tabs, each set up by its own module.
+import { say } from "./common.js";
+import { initModel } from "./model.js";
+import { initPositions } from "./positions.js";
+import { initSheet } from "./sheet.js";
+import { initWeights } from "./weights.js";
+
+function showTab(name) {
+  document.querySelectorAll("#tabs button").forEach((b) => b.classList.toggle("active", b.dataset.tab === name));
+  document.querySelectorAll(".panel").forEach((p) => p.classList.toggle("active", p.id === name));
+  history.replaceState(null, "", `#${name}`);
+}
+
+document.querySelectorAll("#tabs button").forEach((b) => b.addEventListener("click", () => showTab(b.dataset.tab)));
+function showHashTab() {
+  const name = location.hash.slice(1);
+  if (document.getElementById(name)?.classList.contains("panel")) showTab(name);
+}
+window.addEventListener("hashchange", showHashTab);
+showHashTab();
+
+window.qkvExplore = { ready: false };
+Promise.all([initSheet(), initWeights(), initModel(), initPositions()])
+  .then(() => { window.qkvExplore.ready = true; })
+  .catch((err) => say(err.message, true));
