@@ -23,7 +23,7 @@ from qkv.attention import record_attention
 from qkv.errors import QkvError
 from qkv.explore import model_panel, panels
 from qkv.explore.library import RequestError, RunLibrary
-from qkv.explore.server import allowed_hosts
+from qkv.explore.server import HostCheck, allowed_hosts, parse_host
 from qkv.generation import Sampling
 from qkv.lab.walkthrough import CLASSIC, builtin_example, walkthrough
 from qkv.tasks import load, train
@@ -49,10 +49,11 @@ def server(root: Path) -> Any:
         yield explorer
 
 
-def _request(url: str, body: Any = None, raw: bytes | None = None, host: str | None = None) -> tuple[int, Any]:
+def _request(url: str, body: Any = None, raw: bytes | None = None, host: str | None = None,
+             headers: dict[str, str] | None = None) -> tuple[int, Any]:  # fmt: skip
     """(status, parsed JSON answer) of a GET (body None) or POST to the server."""
     data = raw if raw is not None else None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
     if host is not None:
         request.add_header("Host", host)
     try:
@@ -166,6 +167,19 @@ def test_run_library_serves_nothing_outside_its_roots(root: Path, tmp_path: Path
     assert allowed_hosts("127.0.0.1", 8000) == {"127.0.0.1:8000", "localhost:8000", "[::1]:8000"}
 
 
+def test_host_check_on_every_interface_takes_ip_addresses_only() -> None:
+    """--host 0.0.0.0: any address of this machine may be in the Host header, a domain name (rebinding) may not."""
+    check = HostCheck(lambda *a: None, "0.0.0.0", 8000)  # type: ignore[arg-type]
+    assert check.host_ok("192.168.1.20:8000") and check.host_ok("127.0.0.1:8000") and check.host_ok("[::1]:8000")
+    assert check.host_ok("localhost:8000")
+    assert not check.host_ok("attacker.example:8000") and not check.host_ok("192.168.1.20:9999")
+    loopback = HostCheck(lambda *a: None, "127.0.0.1", 8000)  # type: ignore[arg-type]
+    assert not loopback.host_ok("192.168.1.20:8000")
+    assert parse_host("localhost") == "127.0.0.1" and parse_host("[::1]") == "::1"
+    with pytest.raises(QkvError, match="--host must be an IP address"):
+        parse_host("example.com")
+
+
 # -------------------------------------------------------------------------------------------- the server
 
 
@@ -212,6 +226,31 @@ BAD_REQUESTS = [
     ("ids outside the vocabulary", "step", {"run": "runs/lm", "ids": [10**6]}, 400, "token ids must be between"),
     ("a 1-feature batch", "norms", {"batch": [[1], [2]]}, 400, "2 to 16 features"),
     ("an unknown route", "nothing", {}, 404, "Not Found"),
+    (
+        "a 400-digit number",
+        "spreadsheet",
+        b'{"words": ["a"], "embeddings": [[1]], "query": 0, "factor": 1' + b"0" * 400 + b"}",
+        400,
+        "'factor' must be a finite number",
+    ),
+    ("arrays nested 100,000 deep", "spreadsheet", b"[" * 100_000, 400, "malformed JSON"),
+    ("a cell of 1e200", "spreadsheet", {"words": ["a"], "embeddings": [[1e200]], "query": 0}, 400, "numbers between"),
+    (
+        "a factor that underflows every exponential",
+        "spreadsheet",
+        {"words": ["a", "b"], "embeddings": [[1000, 0], [0, 1000]], "query": 0, "factor": -1e6},
+        200,
+        "",
+    ),
+    (
+        "a temperature of 1e-40",
+        "next",
+        {"run": "runs/lm", "text": "To", "temperature": 1e-40},
+        400,
+        "0 (greedy) or at least 0.001",
+    ),
+    ("a NUL in a run name", "model", {"run": "runs/lm\x00"}, 400, "NUL"),
+    ("a body over 1 MiB", "norms", b'{"batch": "' + b"x" * (1 << 20) + b'"}', 413, "larger than"),
 ]
 
 
@@ -221,7 +260,21 @@ def test_bad_requests_get_a_4xx_json_error(server: Any, what: str, route: str, b
     raw = body if isinstance(body, bytes) else None
     got, answer = _request(server.url + "api/" + route, None if raw else body, raw)
     assert (got, type(answer)) == (status, dict), answer
+    if status == 200:  # not refused: the numbers were shifted before exponentiating, as they should be
+        assert answer["weights"] == [1.0, 0.0] or sum(answer["weights"]) == pytest.approx(1.0)
+        return
     assert message in answer["error"] and "\n" not in answer["error"] and "Traceback" not in answer["error"]
+
+
+def test_requests_from_other_pages_are_refused(server: Any) -> None:
+    """Another site's page can make the browser post here (no preflight for text/plain): it is refused."""
+    body = {"words": ["a"], "embeddings": [[1]], "query": 0}
+    status, answer = _request(server.url + "api/spreadsheet", body, headers={"Content-Type": "text/plain"})
+    assert status == 415 and "application/json" in answer["error"]
+    status, answer = _request(server.url + "api/spreadsheet", body, headers={"Origin": "http://evil.example"})
+    assert status == 403 and "only the explorer's own page" in answer["error"]
+    own = server.url.rstrip("/")
+    assert _request(server.url + "api/spreadsheet", body, headers={"Origin": own})[0] == 200
 
 
 def test_get_on_a_post_route_and_the_page_itself(server: Any) -> None:

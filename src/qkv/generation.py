@@ -66,12 +66,22 @@ class Sampling:
 GREEDY = Sampling(temperature=0.0)
 
 
+def next_token_probs(logits: Tensor, sampling: Sampling) -> Tensor:
+    """The distribution the next token is drawn from (B, V): softmax(logits / T) after top-k and top-p.
+
+    Temperature 0 puts all the mass on the argmax (greedy).
+    """
+    if sampling.temperature == 0.0:
+        return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    logits = filter_logits(logits.float() / sampling.temperature, sampling.top_k, sampling.top_p)
+    return torch.softmax(logits, dim=-1)
+
+
 def sample_next(logits: Tensor, sampling: Sampling, generator: torch.Generator | None = None) -> Tensor:
     """Next token ids (B,) from last-position logits (B, V); temperature 0 means greedy (argmax)."""
     if sampling.temperature == 0.0:
         return logits.argmax(dim=-1)
-    logits = filter_logits(logits.float() / sampling.temperature, sampling.top_k, sampling.top_p)
-    probs = torch.softmax(logits, dim=-1)
+    probs = next_token_probs(logits, sampling)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
 

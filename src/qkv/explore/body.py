@@ -9,6 +9,18 @@ from qkv.errors import QkvError
 
 MISSING = object()
 MAX_TEXT = 20_000  # characters of typed text
+MAX_ENTRY = 1e6  # the largest number a table may hold: its squares and products stay far from overflowing
+
+
+def _finite(value: Any) -> float | None:
+    """A JSON number as a finite float, or None (booleans, strings, NaN, ±inf and 400-digit integers)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 class Body:
@@ -44,12 +56,12 @@ class Body:
 
     def number(self, name: str, low: float, high: float, default: Any = MISSING) -> float:
         """A finite number in [low, high]."""
-        value = self._get(name, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise QkvError(f"{name!r} must be a finite number, got {value!r}")
-        if not low <= value <= high:
-            raise QkvError(f"{name!r} must be between {low:g} and {high:g}, got {value!r}")
-        return float(value)
+        number = _finite(self._get(name, default))
+        if number is None:
+            raise QkvError(f"{name!r} must be a finite number")
+        if not low <= number <= high:
+            raise QkvError(f"{name!r} must be between {low:g} and {high:g}, got {number:g}")
+        return number
 
     def text(self, name: str, default: Any = MISSING, limit: int = MAX_TEXT) -> str:
         """A string of at most `limit` characters."""
@@ -61,7 +73,7 @@ class Body:
         return value
 
     def strings(self, name: str, limit: int = 64) -> list[str]:
-        """A list of non-empty strings without spaces (words)."""
+        """A list of non-empty strings (words), stripped of surrounding spaces."""
         value = self._get(name, MISSING)
         if not isinstance(value, list) or not all(isinstance(w, str) and w.strip() for w in value):
             raise QkvError(f"{name!r} must be a list of non-empty strings")
@@ -77,10 +89,10 @@ class Body:
             raise QkvError(f"{name!r} must be a non-empty table (a list of lists) of at most {limit} × {limit} numbers")
         if len({len(r) for r in rows}) != 1:
             raise QkvError(f"the rows of {name!r} must all have the same length")
-        numbers = (v for r in rows for v in r)
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in numbers):
-            raise QkvError(f"{name!r} must hold finite numbers only")
-        return [[float(v) for v in r] for r in rows]
+        table = [[_finite(v) for v in r] for r in rows]
+        if any(v is None or abs(v) > MAX_ENTRY for r in table for v in r):
+            raise QkvError(f"{name!r} must hold numbers between {-MAX_ENTRY:g} and {MAX_ENTRY:g}")
+        return [[float(v) for v in r if v is not None] for r in table]
 
     def ids(self, name: str, limit: int = 100_000) -> list[int] | None:
         """A list of token ids, or null / absent."""

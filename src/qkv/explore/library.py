@@ -1,11 +1,12 @@
 """The runs the explorer may open: RUN_DIR and the run directories under runs/, nothing outside them.
 
-Importing this module loads no torch: the server answers its first request before the models are read.
+Creating a library reads nothing: the server listens before torch is imported, and the first request that
+needs a run reads its config.json (in any layout qkv.io.run_dir migrates) and, later, its weights.
 """
 
 from __future__ import annotations
 
-import json
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,11 +43,14 @@ class RunLibrary:
         self.search = search.resolve()
         self.roots = [self.search] + ([run_dir.resolve()] if run_dir is not None else [])
         self.checkpoint = checkpoint
-        self.default = self._info(run_dir.resolve()) if run_dir is not None else None
-        if run_dir is not None and self.default is None:
-            raise QkvError(f"{run_dir} is not a run directory of a task with text ({', '.join(TASKS)})")
+        self.run_dir = run_dir.resolve() if run_dir is not None else None
         self._loaded: dict[Path, Any] = {}
         self._lock = threading.Lock()
+
+    @property
+    def default(self) -> RunInfo | None:
+        """The run named on the command line, when it is one the page can open."""
+        return self._info(self.run_dir) if self.run_dir is not None else None
 
     def _name(self, path: Path) -> str:
         """How a run is named on the page and in requests: relative to the working directory when inside it."""
@@ -54,26 +58,27 @@ class RunLibrary:
 
     def _info(self, path: Path) -> RunInfo | None:
         """The run at `path`, or None when it is no run directory of a task with text."""
+        from qkv.io.run_dir import read_run_config  # imports torch: not before the server listens
+
         try:
-            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            task = read_run_config(path)["task"]
+        except (QkvError, OSError, KeyError):
             return None
-        task = config.get("task") if isinstance(config, dict) else None
         return RunInfo(self._name(path), task, path) if task in TASKS else None
 
     def available(self) -> list[RunInfo]:
         """Every run the page may open: RUN_DIR first, then the runs found under the search directory."""
         found = [self.default] if self.default is not None else []
-        configs = sorted(self.search.rglob("config.json")) if self.search.is_dir() else []
-        for config in configs:
-            if len(config.relative_to(self.search).parts) <= SEARCH_DEPTH + 1:
-                info = self._info(config.parent.resolve())
-                if info is not None and info not in found:
-                    found.append(info)
+        for directory in _run_dirs(self.search, SEARCH_DEPTH):
+            info = self._info(directory)
+            if info is not None and info not in found:
+                found.append(info)
         return found
 
     def resolve(self, name: str) -> RunInfo:
         """The run a request names, refused when outside the served directories (403) or not a run (404)."""
+        if "\x00" in name:
+            raise RequestError(400, "a run name cannot contain a NUL character")
         path = Path(name) if Path(name).is_absolute() else self.base / name
         path = path.resolve()
         if not any(path.is_relative_to(root) for root in self.roots):
@@ -91,5 +96,25 @@ class RunLibrary:
         info = self.resolve(name)
         with self._lock:
             if info.path not in self._loaded:
-                self._loaded[info.path] = load(info.path, self.checkpoint)
+                try:
+                    self._loaded[info.path] = load(info.path, self.checkpoint)
+                except QkvError:
+                    raise
+                except Exception as err:  # a damaged run: its files, not the request, are at fault
+                    raise RequestError(422, f"cannot read the run {name!r}: {type(err).__name__}: {err}") from err
             return self._loaded[info.path]
+
+
+def _run_dirs(root: Path, depth: int) -> list[Path]:
+    """Directories with a config.json at most `depth` levels under root, without following links out of it."""
+    found: list[Path] = []
+    if not root.is_dir():
+        return found
+    for directory, subdirs, files in os.walk(root):
+        here = Path(directory)
+        if "config.json" in files and here != root:
+            found.append(here)
+        if len(here.relative_to(root).parts) >= depth:
+            subdirs.clear()
+        subdirs.sort()
+    return found

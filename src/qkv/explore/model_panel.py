@@ -16,8 +16,7 @@ import torch
 
 from qkv.attention import record_attention
 from qkv.errors import QkvError
-from qkv.explore.library import RunInfo
-from qkv.generation import Sampling, filter_logits, sample_next
+from qkv.generation import Sampling, next_token_probs, sample_next
 from qkv.lab.attention_map import run_attention_maps
 from qkv.models import DecoderLM
 
@@ -31,11 +30,15 @@ def pack(array: np.ndarray | torch.Tensor) -> dict[str, Any]:
     return {"shape": list(a.shape), "data": base64.b64encode(a.tobytes()).decode("ascii")}
 
 
-def describe(run: Any, info: RunInfo) -> dict[str, Any]:
+def _layers(cfg: Any) -> list[int]:
+    """Layers per stack: [n_layers] for one stack, [encoder, decoder] for an encoder–decoder."""
+    return [cfg.n_layers] if hasattr(cfg, "n_layers") else [cfg.n_encoder_layers, cfg.n_decoder_layers]
+
+
+def describe(run: Any) -> dict[str, Any]:
     """What the page needs to set up its controls for a run: task, layers, heads and context length."""
     cfg = run.model.cfg
-    layers = getattr(cfg, "n_layers", None) or getattr(cfg, "n_encoder_layers", None)
-    return {"name": info.name, "task": info.task, "n_layers": layers, "n_heads": cfg.n_heads,
+    return {"task": run.task, "n_layers": max(_layers(cfg)), "n_heads": cfg.n_heads,
             "max_positions": cfg.max_positions, "causal": isinstance(run.model, DecoderLM)}  # fmt: skip
 
 
@@ -70,7 +73,7 @@ def attention(run: Any, text: str, layer: int | None = None, head: int | None = 
 def _check_size(run: Any, text: str) -> None:
     """Refuse a text whose maps (every layer and head) would not fit in memory: a long text on a large model."""
     cfg = run.model.cfg
-    layers = getattr(cfg, "n_layers", None) or cfg.n_encoder_layers + 2 * cfg.n_decoder_layers
+    layers = sum(_layers(cfg)) + (_layers(cfg)[-1] if run.task == "translate" else 0)  # cross-attention too
     tokenizer = run.translator().tokenizer if run.task == "translate" else run.require_tokenizer()
     n = len(tokenizer.encode(text)) * (2 if run.task == "translate" else 1)  # a translation: about as long again
     limit = int((MAX_WEIGHTS / (layers * cfg.n_heads)) ** 0.5)
@@ -113,11 +116,7 @@ def _forward(model: DecoderLM, window: list[int]) -> tuple[torch.Tensor, list[to
 def _distribution(logits: torch.Tensor, sampling: Sampling, tokenizer: Any) -> dict[str, Any]:
     """The next-token distribution as the model gives it and as temperature, top-k and top-p reshape it."""
     base = torch.softmax(logits, dim=-1)
-    if sampling.temperature == 0:  # greedy: all the mass on the argmax
-        shaped = torch.zeros_like(base).scatter_(0, logits.argmax()[None], 1.0)
-    else:
-        shaped = torch.softmax(filter_logits(logits[None] / sampling.temperature, sampling.top_k,
-                                             sampling.top_p)[0], dim=-1)  # fmt: skip
+    shaped = next_token_probs(logits[None], sampling)[0]
     top = torch.argsort(base, descending=True)[:TOP_TOKENS].tolist()
     kept = shaped > 0
     return {

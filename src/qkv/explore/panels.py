@@ -80,13 +80,11 @@ def trainable(seed: int, causal: bool, sentence: str = TRAINABLE_SENTENCE) -> di
         raise QkvError(f"the sentence needs between 1 and {MAX_WORDS} words, got {len(words)}")
     t = trainable_walkthrough(sentence, d_in=8, d_out=4, seed=seed, causal=causal)
     d_out = t.w_q.shape[1]
-    scaled = t.scores / math.sqrt(d_out)
-    if causal:  # what the softmax saw: −inf above the diagonal (JSON has no −inf; the page shows "−∞")
-        scaled = np.where(np.tril(np.ones_like(scaled)) > 0, scaled, np.nan)
     matrices = {"x": t.x, "w_q": t.w_q, "w_k": t.w_k, "w_v": t.w_v, "q": t.q, "k": t.k, "v": t.v,
                 "scores": t.scores, "weights": t.weights, "context": t.context}  # fmt: skip
     out: dict[str, Any] = {name: _rounded(m) for name, m in matrices.items()}
-    out["scaled"] = [[None if math.isnan(v) else round(v, 10) for v in row] for row in scaled.tolist()]
+    # −inf where masked: JSON has no −∞, so it travels as null and the page writes "−∞"
+    out["scaled"] = [[round(v, 10) if math.isfinite(v) else None for v in row] for row in t.scaled.tolist()]
     return {"words": words, "d_in": t.w_q.shape[0], "d_out": d_out, "causal": causal, **out}
 
 

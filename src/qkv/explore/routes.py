@@ -17,13 +17,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from qkv.errors import QkvError
 from qkv.explore import model_panel, panels
 from qkv.explore.body import Body
-from qkv.explore.library import RunLibrary
+from qkv.explore.library import TASKS, RunLibrary
 from qkv.generation import Sampling
 from qkv.lab.walkthrough import TRAINABLE_SENTENCE
 
 SEED_LIMIT = 2**31 - 1
+MIN_TEMPERATURE = 1e-3
 
 
 def runs(library: RunLibrary) -> dict[str, Any]:
@@ -65,35 +67,40 @@ def norms(library: RunLibrary, body: Body) -> dict[str, Any]:
     return panels.norms(body.matrix("batch", panels.NORM_LIMIT))
 
 
+def _run(library: RunLibrary, body: Body) -> Any:
+    """The loaded run the request names."""
+    return library.load(body.text("run", limit=4096))
+
+
 def model(library: RunLibrary, body: Body) -> dict[str, Any]:
     """POST /api/model."""
-    name = body.text("run", limit=4096)
-    return model_panel.describe(library.load(name), library.resolve(name))
+    return model_panel.describe(_run(library, body))
 
 
 def attention(library: RunLibrary, body: Body) -> dict[str, Any]:
     """POST /api/attention."""
-    run = library.load(body.text("run", limit=4096))
+    run = _run(library, body)
     layer, head = body.optional_integer("layer", -(2**31), 2**31), body.optional_integer("head", -(2**31), 2**31)
     return model_panel.attention(run, body.text("text"), layer, head)
 
 
 def _sampling(body: Body) -> Sampling:
-    """Temperature (0 = greedy), top-k (null: off), top-p (1: off) and a seed from the request."""
-    return Sampling(body.number("temperature", 0.0, 100.0, 1.0), body.optional_integer("top_k", 1, 10**9),
-                    body.number("top_p", 1e-6, 1.0, 1.0), body.optional_integer("seed", 0, SEED_LIMIT))  # fmt: skip
+    """Temperature (0 = greedy, else ≥ 0.001), top-k (null: off), top-p (1: off) and a seed from the request."""
+    temperature = body.number("temperature", 0.0, 100.0, 1.0)
+    if 0 < temperature < MIN_TEMPERATURE:  # logits / 1e-40 overflow: the page's slider never goes there
+        raise QkvError(f"'temperature' must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {temperature:g}")
+    return Sampling(temperature, body.optional_integer("top_k", 1, 10**9), body.number("top_p", 1e-6, 1.0, 1.0),
+                    body.optional_integer("seed", 0, SEED_LIMIT))  # fmt: skip
 
 
 def next_token(library: RunLibrary, body: Body) -> dict[str, Any]:
     """POST /api/next."""
-    run = library.load(body.text("run", limit=4096))
-    return model_panel.next_token(run, body.text("text", ""), body.ids("ids"), _sampling(body))
+    return model_panel.next_token(_run(library, body), body.text("text", ""), body.ids("ids"), _sampling(body))
 
 
 def step(library: RunLibrary, body: Body) -> dict[str, Any]:
     """POST /api/step."""
-    run = library.load(body.text("run", limit=4096))
-    return model_panel.step(run, body.text("text", ""), body.ids("ids"), _sampling(body))
+    return model_panel.step(_run(library, body), body.text("text", ""), body.ids("ids"), _sampling(body))
 
 
 POSTS: dict[str, Callable[[RunLibrary, Body], dict[str, Any]]] = {
@@ -106,5 +113,8 @@ def warm_up(library: RunLibrary) -> None:
     """Compute one spreadsheet and read the first run, so that the page's first requests wait for nothing."""
     table = panels.classic_table()
     panels.spreadsheet(table["words"], table["embeddings"], table["query"])
+    if library.run_dir is not None and library.default is None:
+        raise QkvError(f"{library.run_dir} is not a run the page can open (a run of {', '.join(TASKS)}); "
+                       "the page offers the runs it finds instead")  # fmt: skip
     if library.default is not None:
         library.load(library.default.name)

@@ -36,28 +36,57 @@ MAX_BODY = 1 << 20  # bytes: the largest request the page sends is a table of nu
 
 
 class HostCheck:
-    """ASGI middleware: answer 403 unless the Host header names the address the server listens on."""
+    """ASGI middleware: 403 unless the Host header names this server, and for a POST, unless it comes from the page.
 
-    def __init__(self, app: ASGIApp, allowed: set[str]) -> None:
+    A page on another site can make the browser send requests here: DNS rebinding gives them a foreign
+    Host header, and a cross-site form or fetch carries a foreign Origin (or a non-JSON content type,
+    which a cross-site request can send without asking first). All three are refused.
+    """
+
+    def __init__(self, app: ASGIApp, host: str, port: int) -> None:
         self.app = app
-        self.allowed = allowed
+        self.port = port
+        self.allowed = allowed_hosts(host, port)
+        self.any_address = ipaddress.ip_address(host).is_unspecified  # --host 0.0.0.0: every interface
+
+    def host_ok(self, host: str) -> bool:
+        """Whether a Host header names this server: one of its names, or any IP address when it listens on all."""
+        if host in self.allowed:
+            return True
+        name, _, port = host.rpartition(":")
+        try:
+            return self.any_address and port == str(self.port) and bool(ipaddress.ip_address(name.strip("[]")))
+        except ValueError:
+            return False
+
+    def refusal(self, method: str, headers: dict[str, str]) -> tuple[int, str] | None:
+        """(status, reason) when a request does not come from the explorer's own page, else None."""
+        host = headers.get("host", "").lower()
+        origin = headers.get("origin")
+        if not self.host_ok(host):
+            return 403, f"Host {host!r} is not the address this explorer serves"
+        if origin is not None and origin.lower() != f"http://{host}":
+            return 403, f"requests from {origin!r} are refused: only the explorer's own page may call it"
+        if method == "POST" and headers.get("content-type", "").split(";")[0].strip() != "application/json":
+            return 415, "send the request as application/json"
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Pass allowed requests on; refuse the others before any route runs."""
         if scope["type"] == "http":
-            host = dict(scope["headers"]).get(b"host", b"").decode("latin-1").lower()
-            if host not in self.allowed:
-                response = JSONResponse({"error": f"Host {host!r} is not the address this explorer serves"}, 403)
-                await response(scope, receive, send)
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            refused = self.refusal(scope["method"], headers)
+            if refused is not None:
+                await JSONResponse({"error": refused[1]}, refused[0])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
 def allowed_hosts(host: str, port: int) -> set[str]:
     """The Host headers that name this server: its address and port (and localhost when it listens on loopback)."""
-    names = {host.strip("[]")}
-    address = ipaddress.ip_address(host.strip("[]"))
-    if address.is_loopback:
+    names = {host}
+    address = ipaddress.ip_address(host)
+    if address.is_loopback or address.is_unspecified:  # 0.0.0.0 listens on loopback too
         names |= {"localhost", "127.0.0.1", "::1"}
     return {f"[{n}]:{port}" if ":" in n else f"{n}:{port}" for n in names}
 
@@ -92,16 +121,27 @@ def api(name: str, library: RunLibrary) -> Callable[[Request], Awaitable[Respons
     """A POST route: the JSON body checked into a Body, the handler run off the event loop, its dict as JSON."""
 
     async def endpoint(request: Request) -> Response:
-        raw = await request.body()
-        if len(raw) > MAX_BODY:
-            return _error(413, f"the request is larger than {MAX_BODY:,} bytes")
+        """Read at most MAX_BODY bytes of JSON, answer with the route's dict (non-finite numbers refused)."""
+        too_large = _error(413, f"the request is larger than {MAX_BODY:,} bytes")
+        if int(request.headers.get("content-length") or 0) > MAX_BODY:
+            return too_large
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY:
+                return too_large
         try:
             payload = json.loads(raw or b"{}")
-        except ValueError as err:
-            return _error(400, f"malformed JSON: {err}")
+        except (ValueError, RecursionError) as err:  # RecursionError: arrays nested thousands deep
+            return _error(400, f"malformed JSON: {str(err)[:200]}")
         if not isinstance(payload, dict):
             return _error(400, "the request must be a JSON object")
-        return JSONResponse(await run_in_threadpool(_handle, name, library, Body(payload)))
+        answer = await run_in_threadpool(_handle, name, library, Body(payload))
+        try:
+            content = json.dumps(answer, allow_nan=False, separators=(",", ":"))
+        except ValueError:
+            return _error(400, "the numbers overflow (a result is not finite); use smaller values")
+        return Response(content, media_type="application/json")
 
     return endpoint
 
@@ -110,9 +150,11 @@ def create_app(library: RunLibrary) -> Starlette:
     """The explorer's routes (the page, its static files, the panels' JSON API) over a run library."""
 
     async def index(request: Request) -> Response:
+        """The page."""
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
 
     async def runs(request: Request) -> Response:
+        """The runs the page may open."""
         from qkv.explore import routes
 
         return JSONResponse(await run_in_threadpool(routes.runs, library))
@@ -128,16 +170,22 @@ def create_app(library: RunLibrary) -> Starlette:
     )
 
 
+def parse_host(host: str) -> str:
+    """--host as a bare IP address ("localhost" is 127.0.0.1; [::1] loses its brackets), or a one-line error."""
+    host = "127.0.0.1" if host.lower() == "localhost" else host.strip().removeprefix("[").removesuffix("]")
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        raise QkvError(f"--host must be an IP address such as 127.0.0.1 or 0.0.0.0, got {host!r}") from None
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket on host:port (port 0: any free port), or a one-line error."""
-    try:
-        family = socket.AF_INET6 if ipaddress.ip_address(host.strip("[]")).version == 6 else socket.AF_INET
-    except ValueError:
-        raise QkvError(f"--host must be an IP address such as 127.0.0.1, got {host!r}") from None
+    family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host.strip("[]"), port))
+        sock.bind((host, port))
     except OSError as err:
         sock.close()
         raise QkvError(f"cannot listen on {host}:{port} ({err.strerror}); choose another --port") from None
@@ -149,10 +197,12 @@ def serve(library: RunLibrary, host: str = "127.0.0.1", port: int = 0, open_brow
     """Serve the explorer until Ctrl-C: print the address, open the browser, warm the panels up meanwhile."""
     import uvicorn
 
+    host = parse_host(host)
     sock = bind_socket(host, port)
     port = sock.getsockname()[1]
-    url = f"http://{f'[{host}]' if ':' in host else host}:{port}/"
-    app = HostCheck(create_app(library), allowed_hosts(host, port))
+    shown = "127.0.0.1" if ipaddress.ip_address(host).is_unspecified else host  # where this machine's browser goes
+    url = f"http://{f'[{shown}]' if ':' in shown else shown}:{port}/"
+    app = HostCheck(create_app(library), host, port)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False))
     print(f"qkv explore: serving {url}  (Ctrl-C stops it)", flush=True)
     threading.Thread(target=_warm_up, args=(library,), daemon=True).start()
@@ -184,4 +234,7 @@ def _warm_up(library: RunLibrary) -> None:
     """Import the panels (torch) and load the first run while the browser opens, so the first answers are quick."""
     from qkv.explore import routes
 
-    routes.warm_up(library)
+    try:
+        routes.warm_up(library)
+    except QkvError as err:  # the page reports it too, when it asks for the run
+        print(f"qkv explore: {err}", file=sys.stderr, flush=True)

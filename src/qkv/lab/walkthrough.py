@@ -164,8 +164,9 @@ def walkthrough(
     index = _query_index(words, query)
     factor = emb.shape[1] ** -0.5 if scale is True else 1.0 if scale is False else float(scale)
     scores = factor * (emb @ emb[index])  # (T,): one dot product per word
-    # Spreadsheet-style, exp(score) as is; only if it would overflow, shift by the max (same weights).
-    shift = float(scores.max()) if scores.max() > EXP_LIMIT else 0.0
+    # Spreadsheet-style, exp(score) as is; only if it would overflow (or every term underflow), shift by the max:
+    # the weights are the same.
+    shift = float(scores.max()) if abs(scores.max()) > EXP_LIMIT else 0.0
     exp_scores = np.exp(scores - shift)
     weights = exp_scores / exp_scores.sum()
     weighted = weights[:, None] * emb
@@ -269,6 +270,7 @@ class TrainableWalkthrough:
     scores: np.ndarray  # (T, T) Q Kᵀ, before the 1/√d_out scale
     weights: np.ndarray  # (T, T) softmax(scores / √d_out), rows sum to 1
     context: np.ndarray  # (T, d_out)
+    scaled: np.ndarray  # (T, T) what the softmax saw: scores / √d_out, −inf where the causal mask hides a word
     causal: bool = False  # whether word i attended only to words 0…i
 
     def table(self) -> str:
@@ -320,11 +322,11 @@ def trainable_walkthrough(
     q, k, v = x @ w_q, x @ w_k, x @ w_v  # (T, d_out) each
     with record_attention() as recorder:
         context = scaled_dot_product_attention(q, k, v, causal=causal)  # scale 1/√d_out
-    weights = recorder.weights_of()[0]
-    x_, w_q_, w_k_, w_v_, q_, k_, v_, scores_, weights_, context_ = (
-        t.numpy() for t in (x, w_q, w_k, w_v, q, k, v, q @ k.T, weights, context)
+    (weights,), (scaled,) = recorder.weights_of(), recorder.scores_of()
+    x_, w_q_, w_k_, w_v_, q_, k_, v_, scores_, weights_, context_, scaled_ = (
+        t.numpy() for t in (x, w_q, w_k, w_v, q, k, v, q @ k.T, weights, context, scaled)
     )
-    return TrainableWalkthrough(words, x_, w_q_, w_k_, w_v_, q_, k_, v_, scores_, weights_, context_, causal)
+    return TrainableWalkthrough(words, x_, w_q_, w_k_, w_v_, q_, k_, v_, scores_, weights_, context_, scaled_, causal)
 
 
 def plot(result: Walkthrough | Sequence[Walkthrough] | TrainableWalkthrough, path: str | Path | None) -> Figure:

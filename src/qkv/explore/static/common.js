@@ -1,6 +1,12 @@
 // What every panel shares: the JSON API, number formatting, packed matrices and heat maps.
 
-const statusLine = () => document.getElementById("status");
+export const $ = (id) => document.getElementById(id);
+const statusLine = () => $("status");
+
+// An answer's JSON, or {} when it is none (a proxy's error page): the status then says which HTTP error.
+async function answerOf(response) {
+  return response.json().catch(() => ({}));
+}
 
 // POST a JSON body to /api/NAME; resolves to the answer, or rejects with the server's one-line error.
 export async function post(name, body) {
@@ -9,14 +15,14 @@ export async function post(name, body) {
     headers: { "Content-Type": "application/json" },
     body: JSON.stringify(body),
   });
-  const answer = await response.json();
+  const answer = await answerOf(response);
   if (!response.ok) throw new Error(answer.error || `HTTP ${response.status}`);
   return answer;
 }
 
 export async function getJSON(path) {
   const response = await fetch(path);
-  const answer = await response.json();
+  const answer = await answerOf(response);
   if (!response.ok) throw new Error(answer.error || `HTTP ${response.status}`);
   return answer;
 }
@@ -152,6 +158,19 @@ export function matrixTable(rows, { rowLabels = null, colLabels = null, digits =
     table.append(tr);
   });
   return table;
+}
+
+// A table cell's number input: marks itself red while it does not hold a number, else calls onNumber(value).
+export function numberInput(value, attrs, onNumber) {
+  const input = el("input", { class: "cell", value: String(value), inputmode: "decimal", size: 6, ...attrs });
+  input.addEventListener("input", () => {
+    const number = Number(input.value);
+    const ok = input.value.trim() !== "" && Number.isFinite(number) && Math.abs(number) <= 1e6;
+    input.classList.toggle("bad", !ok);
+    input.title = ok ? "" : "a number between −1,000,000 and 1,000,000";
+    if (ok) onNumber(number);
+  });
+  return input;
 }
 
 export function debounce(fn, ms = 120) {

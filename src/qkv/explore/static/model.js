@@ -1,13 +1,13 @@
 // Panel 3: your model. Attention maps of every layer and head for the typed text (the server records
 // them with qkv.attention.record_attention), the next-token distribution under temperature, top-k and
 // top-p (qkv.generation), and generation one token per key press.
-import { block, debounce, el, fmt, getJSON, heatmap, live, post, say, showToken, unpack } from "./common.js";
+import { $, block, debounce, el, fmt, getJSON, heatmap, live, post, say, showToken, unpack } from "./common.js";
 
-const $ = (id) => document.getElementById(id);
+// `generation` counts the times the text or the run changed: an answer to an older one is dropped.
 const state = { run: null, info: null, maps: null, kind: null, layer: 0, head: 0, revealed: Infinity,
-  ids: null, steps: 0, prompt: "" };
+  ids: null, steps: 0, generation: 0, stepping: false, revealTimer: null };
 const KIND_NAMES = { self: "self-attention", encoder: "encoder self-attention", decoder: "decoder self-attention",
-  cross: "cross-attention (English output → German source)" };
+  cross: "cross-attention (output → source)" };
 
 function text() { return $("model-text").value; }
 
@@ -26,10 +26,12 @@ function readKind(kind) {
 }
 
 function drawAttention(answer) {
+  if (answer.run !== state.run) return; // an answer for the run shown before
   state.maps = Object.fromEntries(Object.entries(answer.kinds).map(([name, kind]) => [name, readKind(kind)]));
   if (!state.maps[state.kind]) state.kind = Object.keys(state.maps)[0];
   $("model-translation").textContent = answer.translation !== undefined ? `→ “${answer.translation}”` : "";
   state.revealed = answer.translation !== undefined ? 0 : Infinity;
+  clearTimeout(state.revealTimer);
   drawGrid();
   drawSelected();
   if (answer.translation !== undefined) reveal();
@@ -37,11 +39,12 @@ function drawAttention(answer) {
 
 // Translation: show the cross-attention row by row, as each English token is decoded.
 function reveal() {
-  const map = state.maps[state.kind];
-  if (!map || state.revealed >= map.tq) { state.revealed = Infinity; drawSelected(); return; }
+  const map = state.maps && state.maps[state.kind];
+  if (!map) return; // another run is opening
+  if (state.revealed >= map.tq) { state.revealed = Infinity; drawSelected(); return; }
   state.revealed += 1;
   drawSelected();
-  setTimeout(reveal, 120);
+  state.revealTimer = setTimeout(reveal, 120);
 }
 
 function drawGrid() {
@@ -119,14 +122,26 @@ function generationRequest() {
   return state.ids ? { ids: state.ids } : { text: text() };
 }
 
-const refreshAttention = live(() => post("attention", { run: state.run, text: text() }), drawAttention);
-const refreshNext = live(() => post("next", { run: state.run, ...generationRequest(), ...sampling() }), drawDistribution);
+// Each request remembers which run and text it was for; draw() drops answers that no longer apply.
+function forNow(request) {
+  return async () => {
+    const [run, generation] = [state.run, state.generation];
+    const answer = await request();
+    return { ...answer, run: generation === state.generation ? run : null };
+  };
+}
+
+const refreshAttention = live(forNow(() => post("attention", { run: state.run, text: text() })), drawAttention);
+const refreshNext = live(forNow(() => post("next", { run: state.run, ...generationRequest(), ...sampling() })),
+  (d) => { if (d.run === state.run) drawDistribution(d); });
 
 async function step() {
-  if (!state.info || !state.info.causal) return;
+  if (!state.info || !state.info.causal || state.stepping) return;
+  state.stepping = true; // one token at a time: a held key or a double click must not send the same step twice
+  const generation = state.generation;
   try {
     const answer = await post("step", { run: state.run, ...generationRequest(), ...sampling(), seed: 1000 + state.steps });
-    if (state.ids === null) state.prompt = text();
+    if (generation !== state.generation) return;
     state.ids = answer.ids;
     state.steps += 1;
     const output = $("gen-output");
@@ -139,13 +154,17 @@ async function step() {
       return el("figure", {}, canvas, el("figcaption", {
         text: `layer ${l}: how “${showToken(answer.window_tokens.at(-1))}” attended over the last ${t} tokens (one row per head)` }));
     }));
-    drawDistribution(answer.distribution);
     say("");
-    refreshNext();
-  } catch (err) { say(err.message, true); }
+    refreshNext(); // the distribution of the token after this one
+  } catch (err) {
+    say(err.message, true);
+  } finally {
+    state.stepping = false;
+  }
 }
 
 function resetGeneration() {
+  state.generation += 1;
   state.ids = null; state.steps = 0;
   $("gen-output").replaceChildren(el("span", { class: "prompt", text: text() }));
   $("gen-row").replaceChildren();
@@ -153,8 +172,12 @@ function resetGeneration() {
 
 async function openRun(name) {
   state.run = name;
-  state.info = await post("model", { run: name });
-  const info = state.info;
+  state.info = null;
+  state.maps = null;
+  clearTimeout(state.revealTimer);
+  const info = await post("model", { run: name });
+  if (state.run !== name) return; // another run was chosen meanwhile
+  state.info = info;
   $("model-info").textContent = `${info.task} · ${info.n_layers} layers · ${info.n_heads} heads · context ${info.max_positions}`;
   const kinds = info.task === "translate" ? ["cross", "encoder", "decoder"] : ["self"];
   $("model-kind").replaceChildren(...kinds.map((k) => el("option", { value: k, text: KIND_NAMES[k] })));
@@ -176,9 +199,13 @@ export async function initModel() {
   $("model-run").replaceChildren(...runs.map((r) => el("option", { value: r.name, text: `${r.name} (${r.task})` })));
   $("model-run").addEventListener("change", (e) => openRun(e.target.value).catch((err) => say(err.message, true)));
   $("model-text").addEventListener("input", debounce(() => {
+    if (!state.info) return;
     resetGeneration(); refreshAttention(); if (state.info.causal) refreshNext();
   }));
-  $("model-kind").addEventListener("change", (e) => { state.kind = e.target.value; drawGrid(); drawSelected(); });
+  $("model-kind").addEventListener("change", (e) => {
+    state.kind = e.target.value;
+    if (state.maps && state.maps[state.kind]) { drawGrid(); drawSelected(); }
+  });
   $("model-layer").addEventListener("change", (e) => { state.layer = Number(e.target.value); syncSelects(); drawSelected(); });
   $("model-head").addEventListener("change", (e) => { state.head = Number(e.target.value); syncSelects(); drawSelected(); });
   $("model-heatmap").addEventListener("mousemove", onHover);
@@ -186,10 +213,13 @@ export async function initModel() {
     $(id).addEventListener("input", () => { $(`${id}-value`).textContent = show($(id).value); refreshNext(); });
   }
   $("gen-step").addEventListener("click", step);
-  $("gen-reset").addEventListener("click", () => { resetGeneration(); refreshNext(); });
+  $("gen-reset").addEventListener("click", () => { resetGeneration(); if (state.info) refreshNext(); });
   document.addEventListener("keydown", (e) => {
     const typing = ["TEXTAREA", "INPUT", "SELECT"].includes(document.activeElement?.tagName);
-    if (e.key === "ArrowRight" && !typing && $("model").classList.contains("active")) { e.preventDefault(); step(); }
+    if (e.key === "ArrowRight" && !e.repeat && !typing && $("model").classList.contains("active")) {
+      e.preventDefault();
+      step();
+    }
   });
   await openRun(preferred || runs[0].name);
 }

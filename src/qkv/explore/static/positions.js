@@ -1,8 +1,7 @@
 // Panel 4: the sinusoidal encoding (qkv.positional) with PE(p + k) as a rotation of PE(p), and
 // BatchNorm, LayerNorm and RMSNorm (qkv.norms) on an editable batch.
-import { el, heatmap, live, matrixTable, post } from "./common.js";
+import { $, el, heatmap, live, matrixTable, numberInput, post } from "./common.js";
 
-const $ = (id) => document.getElementById(id);
 const batch = [[1, 2, 3, 10], [2, 4, 6, 20], [0.5, -1, 3, 5], [3, 1, 0, 15]];
 
 function drawVectors(canvas, series) {
@@ -35,16 +34,21 @@ function drawPositions(a) {
 function batchTable() {
   const table = $("norm-input");
   const header = el("tr", {}, el("th", { text: "token \\ feature" }), ...batch[0].map((_, j) => el("th", { text: `f${j}` })));
-  table.replaceChildren(header, ...batch.map((row, i) => el("tr", {}, el("th", { text: `t${i}` }), ...row.map((v, j) => {
-    const input = el("input", { class: "cell", value: String(v), size: 5, "data-row": i, "data-col": j });
-    input.addEventListener("input", () => {
-      const value = Number(input.value);
-      const ok = input.value.trim() !== "" && Number.isFinite(value);
-      input.classList.toggle("bad", !ok);
-      if (ok) { batch[i][j] = value; updateNorms(); }
-    });
-    return el("td", {}, input);
-  }))));
+  table.replaceChildren(header, ...batch.map((row, i) => el("tr", {}, el("th", { text: `t${i}` }), ...row.map((v, j) =>
+    el("td", {}, numberInput(v, { "data-row": i, "data-col": j }, (value) => { batch[i][j] = value; updateNorms(); }))))));
+}
+
+// Grow or shrink the batch (2 to 16 tokens and features, as the server accepts).
+function resize(rows, cols) {
+  if (rows < 2 || rows > 16 || cols < 2 || cols > 16) return;
+  while (batch.length > rows) batch.pop();
+  while (batch.length < rows) batch.push(batch[batch.length - 1].map((v, j) => v + j + 1));
+  for (const row of batch) {
+    while (row.length > cols) row.pop();
+    while (row.length < cols) row.push(row.length);
+  }
+  batchTable();
+  updateNorms();
 }
 
 function normFigure(title, id, s) {
@@ -72,6 +76,11 @@ export async function initPositions() {
   for (const id of ["pe-position", "pe-offset"]) {
     $(id).addEventListener("input", () => { $(`${id}-value`).textContent = $(id).value; positions(); });
   }
+  const size = () => [batch.length, batch[0].length];
+  $("norm-add-token").addEventListener("click", () => { const [r, c] = size(); resize(r + 1, c); });
+  $("norm-remove-token").addEventListener("click", () => { const [r, c] = size(); resize(r - 1, c); });
+  $("norm-add-feature").addEventListener("click", () => { const [r, c] = size(); resize(r, c + 1); });
+  $("norm-remove-feature").addEventListener("click", () => { const [r, c] = size(); resize(r, c - 1); });
   batchTable();
   await Promise.all([positions(), updateNorms()]);
 }

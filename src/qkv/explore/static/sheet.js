@@ -1,10 +1,9 @@
 // Panel 1: the attention spreadsheet. The table is the page's state; every edit asks the server
 // (qkv.lab.walkthrough) for every stage again, and the answer is drawn below the embeddings.
-import { colour, el, fmt, getJSON, live, post } from "./common.js";
+import { $, colour, el, fmt, getJSON, live, numberInput, post } from "./common.js";
 
 const state = { words: [], embeddings: [], query: 0 };
 let classic = null;
-const $ = (id) => document.getElementById(id);
 
 function scaleFactor() { return Number($("sheet-scale").value); }
 
@@ -34,13 +33,9 @@ function headerRow() {
 function embeddingRow(dim) {
   const tr = el("tr", {}, el("th", { text: `x${dim + 1}` }));
   state.embeddings.forEach((vector, i) => {
-    const input = el("input", { class: "cell", value: String(vector[dim]), "data-word": i, "data-dim": dim,
-      inputmode: "decimal", size: 6 });
-    input.addEventListener("input", () => {
-      const value = Number(input.value);
-      const ok = input.value.trim() !== "" && Number.isFinite(value);
-      input.classList.toggle("bad", !ok);
-      if (ok) { state.embeddings[i][dim] = value; update(); }
+    const input = numberInput(vector[dim], { "data-word": i, "data-dim": dim }, (value) => {
+      state.embeddings[i][dim] = value;
+      update();
     });
     tr.append(el("td", { class: i === state.query ? "query" : "" }, input));
   });

@@ -1,8 +1,6 @@
 // Panel 2: self-attention with trainable W_q, W_k, W_v (qkv.lab.trainable_walkthrough), and
 // multi-head attention split shape by shape (qkv.lab.heads).
-import { el, heatmap, live, matrixTable, post } from "./common.js";
-
-const $ = (id) => document.getElementById(id);
+import { $, el, heatmap, live, matrixTable, post } from "./common.js";
 
 function figure(title, shape, table) {
   return el("figure", {}, el("figcaption", {}, el("b", { text: title }), ` (${shape.join(" × ")})`), table);
