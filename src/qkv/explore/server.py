@@ -33,6 +33,7 @@ from qkv.explore.library import RequestError, RunLibrary
 
 STATIC = Path(__file__).parent / "static"
 MAX_BODY = 1 << 20  # bytes: the largest request the page sends is a table of numbers
+MAX_DRAINED = 16 << 20  # bytes of a too-large request read and dropped before answering 413
 
 
 class HostCheck:
@@ -122,14 +123,15 @@ def api(name: str, library: RunLibrary) -> Callable[[Request], Awaitable[Respons
 
     async def endpoint(request: Request) -> Response:
         """Read at most MAX_BODY bytes of JSON, answer with the route's dict (non-finite numbers refused)."""
-        too_large = _error(413, f"the request is larger than {MAX_BODY:,} bytes")
-        if int(request.headers.get("content-length") or 0) > MAX_BODY:
-            return too_large
-        raw = b""
+        raw, size = b"", 0
         async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > MAX_BODY:
-                return too_large
+            size += len(chunk)
+            if size <= MAX_BODY:
+                raw += chunk
+            elif size > MAX_DRAINED:  # stop listening: the connection closes
+                break
+        if size > MAX_BODY:  # read to the end (up to MAX_DRAINED), so that the client gets this answer, not a reset
+            return _error(413, f"the request is larger than {MAX_BODY:,} bytes")
         try:
             payload = json.loads(raw or b"{}")
         except (ValueError, RecursionError) as err:  # RecursionError: arrays nested thousands deep
