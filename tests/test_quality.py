@@ -15,7 +15,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_ruff_is_clean() -> None:
-    result = _run("ruff", "check", "src", "tests", "benchmarks", "scripts")
+    result = _run("ruff", "check", "src", "tests", "benchmarks", "scripts", "notebooks")
     assert result.returncode == 0, result.stdout + result.stderr
 
 

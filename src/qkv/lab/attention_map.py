@@ -6,7 +6,7 @@ self-attention; Transformer (`qkv train translate`): encoder self-, decoder self
 of the model's own translation.
 
 The JSON export holds exactly the arguments of bertviz's `head_view`, as nested lists:
-{"attention": [layer][1][heads][T][T], "tokens": [...]} for a single stack, or encoder_attention /
+`{"attention": [layer][1][heads][T][T], "tokens": [...]}` for a single stack, or encoder_attention /
 decoder_attention / cross_attention with encoder_tokens / decoder_tokens for an encoder–decoder.
 bertviz wants one torch tensor per layer, so, in a notebook:
 
