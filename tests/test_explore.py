@@ -304,3 +304,21 @@ def test_explore_refuses_bad_arguments_in_one_line(root: Path, capsys: pytest.Ca
     for argv, message in refusals:
         code, _, err = run_main(capsys, *argv)
         assert code == 2 and err.strip().splitlines()[-1].startswith("qkv explore: error: ") and message in err, err
+
+
+def test_masked_lm_and_translation_runs_show_their_kinds_of_attention(root: Path) -> None:
+    """An MLM run: one bidirectional self-attention, no next token; a translation run: encoder, decoder, cross."""
+    mlm = load(root / "runs" / "mlm")
+    answer = model_panel.attention(mlm, "To be, or not to be")
+    weights = answer["kinds"]["self"]["weights"]
+    got = np.frombuffer(__import__("base64").b64decode(weights["data"]), dtype="<f4").reshape(weights["shape"])
+    assert list(answer["kinds"]) == ["self"] and not model_panel.describe(mlm)["causal"]
+    assert np.triu(got, 1).max() > 0  # every token sees the ones after it too
+    with pytest.raises(QkvError, match="does not predict the next token"):
+        model_panel.next_token(mlm, "To be", None, Sampling())
+    tr = load(root / "runs" / "tr")
+    answer = model_panel.attention(tr, "Guten Morgen")
+    assert list(answer["kinds"]) == ["encoder", "decoder", "cross"]
+    assert answer["translation"] == tr.translator().translate(["Guten Morgen"], beam_size=1)[0]
+    cross = answer["kinds"]["cross"]
+    assert cross["key_tokens"] != cross["query_tokens"] and cross["weights"]["shape"][-1] == len(cross["key_tokens"])
