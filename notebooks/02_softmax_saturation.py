@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -36,7 +38,7 @@ print(result.table())
 plot(result, None)
 
 # %% [markdown]
-# The Jacobian itself, for a = 1 and a = 100:
+# The Jacobian itself, for each a:
 
 # %%
 for a, y in zip(result.scales, result.probs, strict=True):
@@ -56,4 +58,5 @@ print("largest probability:", result.max_prob.round(4), " ‖J‖_F:", result.ja
 
 # %% [markdown]
 # ## Try this
-# Set `scales=(0.1, 1, 3)`: at a = 0.1 the output is nearly uniform and the Jacobian is at its largest.
+# Add a fourth scale, `scales=(1.0, 10.0, 100.0, 0.1)`: at a = 0.1 the output is nearly uniform, and the
+# Jacobian is larger than at any of the other three.

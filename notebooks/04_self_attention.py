@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -48,8 +50,9 @@ plot(causal, None)
 # ## Dropout on the attention weights
 # During training the paper also drops attention weights at random (p = 0.1) and scales the survivors
 # by 1/(1 − p), so that each weight keeps its expected value. `scaled_dot_product_attention(...,
-# dropout_p=p)` does this to the weights right after the softmax (`record_attention` shows them before);
-# here is qkv's own dropout applied to them with p = 0.5, once and averaged over 20,000 draws.
+# dropout_p=p)` does this (with PyTorch's dropout) to the weights right after the softmax, after
+# `record_attention` has seen them. Here is the same operation with qkv's own dropout (`qkv.blocks.dropout`,
+# the one its layers use) at p = 0.5, once, and averaged over 20,000 draws.
 
 # %%
 from qkv.blocks.dropout import dropout

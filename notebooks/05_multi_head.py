@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -29,7 +31,8 @@ from qkv import MultiHeadAttention
 from qkv.lab import heads
 from qkv.lab.heads import plot
 
-result = heads(seq_len=6, d_model=512, n_heads=8)
+n_heads = 8
+result = heads(seq_len=6, d_model=512, n_heads=n_heads)
 print(result.table())
 
 # %%
@@ -60,12 +63,14 @@ for name, n_kv in (("MHA", 8), ("GQA", 2), ("MQA", 1)):
 
 # %% [markdown]
 # ## The claims, checked
-# The shapes are (6, 512) → 8 × (6, 64) → (6, 512); the step-by-step computation equals the module;
+# The shapes are (6, 512) → h × (6, 512/h) → (6, 512), here 8 × (6, 64); the step-by-step computation
+# equals the module;
 # GQA with 2 key/value heads caches a quarter of MHA's numbers, MQA an eighth.
 
 # %%
 shapes = {name: shape for name, _, shape in result.steps}
-assert shapes["X"] == (6, 512) and shapes["Q per head"] == (8, 6, 64) and shapes["output"] == (6, 512)
+assert shapes["X"] == (6, 512) and shapes["Q per head"] == (n_heads, 6, 512 // n_heads)
+assert shapes["concatenated"] == (6, 512) and shapes["output"] == (6, 512)
 assert result.max_abs_diff < 1e-5
 mha, gqa, mqa = (kv_numbers_per_token(MultiHeadAttention(512, 8, n_kv_heads=n)) for n in (8, 2, 1))
 assert (mha, gqa, mqa) == (1024, 256, 128)
@@ -73,4 +78,4 @@ print("shapes as in the paper; the hand computation equals the module within", f
 
 # %% [markdown]
 # ## Try this
-# Set `n_heads=16` in `heads(...)`: the heads become (6, 32) and the output is still (6, 512).
+# Set `n_heads = 16`: the heads become (6, 32) and the output is still (6, 512).

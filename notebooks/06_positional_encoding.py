@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -70,4 +72,5 @@ print("max |M_k·PE(p) − PE(p+k)|:", result.rotation_error)
 
 # %% [markdown]
 # ## Try this
-# Change `d_model=64` to `d_model=16`: fewer, faster-turning dimensions, and the rotation still holds.
+# Change `d_model=64` to `d_model=16` in `positional(...)`: fewer dimensions, whose frequencies fall off
+# faster from one pair to the next, and the rotation still holds.

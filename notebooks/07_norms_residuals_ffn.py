@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -13,7 +15,8 @@
 # %% [markdown]
 # # 7. Normalisation, residual connections and the feed-forward network
 #
-# **Norms.** BatchNorm normalises each *feature* over the batch, LayerNorm normalises each *token* over
+# **Norms.** BatchNorm normalises each *feature* over the batch (every position of every sequence in
+# it), LayerNorm normalises each *token* over
 # its features, and RMSNorm only rescales each token to a root-mean-square of 1. A token's BatchNorm
 # output depends on the other sequences in its batch; LayerNorm and RMSNorm give a token the same
 # output whatever its batch mates. That is why Transformers use the latter two.

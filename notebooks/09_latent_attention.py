@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -32,12 +34,13 @@ from qkv import DecoderLM, DecoderLMConfig
 from qkv.lab.plotting import COLORS, label, new_figure
 
 torch.manual_seed(0)
+d_c, d_r = 64, 16  # MLA's latent and its rotary key: the numbers it caches per token and layer
 base = {"vocab_size": 100, "d_model": 256, "n_heads": 8, "n_layers": 2, "max_positions": 256, "positions": "rotary"}
 variants = {
     "MHA": DecoderLMConfig(**base),
     "GQA (2 kv heads)": DecoderLMConfig(**base, n_kv_heads=2),
     "MQA (1 kv head)": DecoderLMConfig(**base, n_kv_heads=1),
-    "MLA (d_c 64 + d_r 16)": DecoderLMConfig(**base, attention="mla", kv_lora_rank=64, qk_rope_head_dim=16),
+    "MLA": DecoderLMConfig(**base, attention="mla", kv_lora_rank=d_c, qk_rope_head_dim=d_r),
 }
 ids = torch.randint(0, 100, (1, 100))
 bytes_per_token = {}
@@ -62,7 +65,7 @@ fig
 # token (naive), once scoring the queries against the latents (absorbed).
 
 # %%
-mla = variants["MLA (d_c 64 + d_r 16)"]
+mla = variants["MLA"]
 naive = DecoderLM(mla).eval()
 absorbed = DecoderLM(DecoderLMConfig(**{**mla.to_dict(), "mla_absorb": True})).eval()
 absorbed.load_state_dict(naive.state_dict())
@@ -76,18 +79,21 @@ print("max |naive − absorbed| over 20 decoding steps:", float((outputs[0] - ou
 
 # %% [markdown]
 # ## The claims, checked
-# MLA's cache is smaller than MHA's (here 80 numbers per token and layer against 512) and than GQA's;
-# the absorbed and naive paths agree.
+# MLA's cache is smaller than MHA's (here d_c + d_r = 80 numbers per token and layer against 512) and
+# than GQA's; the absorbed and naive paths agree. MQA caches even less (64 numbers here), but its one key
+# and one value are shared by every head, while MLA gives each head its own keys and values, decompressed
+# from the latent: more expressive for a similar cache.
 
 # %%
-mha_bytes, mla_bytes = bytes_per_token["MHA"], bytes_per_token["MLA (d_c 64 + d_r 16)"]
+mha_bytes, mla_bytes = bytes_per_token["MHA"], bytes_per_token["MLA"]
 assert mha_bytes == 2 * 2 * 256 * 4  # layers × (K and V) × d_model × 4 bytes
-assert mla_bytes == 2 * (64 + 16) * 4  # layers × (d_c + d_r) × 4 bytes
+assert mla_bytes == 2 * (d_c + d_r) * 4  # layers × (d_c + d_r) × 4 bytes
 assert mla_bytes < bytes_per_token["GQA (2 kv heads)"] < mha_bytes
 torch.testing.assert_close(outputs[0], outputs[1], atol=1e-4, rtol=1e-4)
 print(f"MLA caches {mha_bytes / mla_bytes:.1f}× less than MHA")
 
 # %% [markdown]
 # ## Try this
-# Set `kv_lora_rank=32`: the cache halves again. Train both with
-# `qkv train --model attention=mla --model kv_lora_rank=64` to see what the loss pays for it.
+# Set `d_c = 32`: MLA's cache goes from 80 to 48 numbers per token and layer. To see what the loss pays,
+# train the default recipe (`qkv train --out-dir runs/mqa`, one key/value head) and
+# `qkv train --out-dir runs/mla --model attention=mla --model kv_lora_rank=64`, and compare their losses.

@@ -181,7 +181,8 @@ class LMTask(Task):
             prompt = "\n" if "\n" in getattr(tokenizer, "chars", "\n") else tokenizer.decode([0])
             sample = run.generate(prompt, self.cfg.sample_tokens, temperature=0.8, seed=self.cfg.seed)
             lines += ["\n--- sample " + "-" * 60, sample, "-" * 71]
-        lines.append(f"more: qkv generate {result.run_dir} --prompt 'ROMEO:'   |   qkv eval {result.run_dir}")
+        run_dir = result.run_dir
+        lines.append(f"more: qkv generate {run_dir} --prompt 'ROMEO:'  |  qkv eval {run_dir}  |  qkv explore {run_dir}")
         return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""The Annotated Transformer's sanity tasks (`qkv train copy`, `qkv train reverse`): copy or reverse digits.
+"""Sanity tasks (`qkv train copy`, `qkv train reverse`): the Annotated Transformer's copy task, and reversal.
 
 They run the same loop, batching, loss and decoding as translation, so a bug in any of them shows up
 here in seconds: a correct model reproduces held-out sequences exactly (100 % exact match).
