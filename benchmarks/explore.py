@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from qkv.bench import save_report
+from qkv.explore.panels import classic_table
 
 SHAKESPEARE = "ROMEO: But, soft! what light through yonder window breaks? It is the east, and Juliet is the sun."
 TARGETS_MS = {"spreadsheet": 100, "trainable": 100, "model": 300}
@@ -80,10 +81,7 @@ def requests(run: Path, context: int) -> dict[str, tuple[str, Callable[[int], di
 
     The typed text is 60 to 99 characters (at most the model's context); "full context" fills the context.
     """
-    classic = {"words": ["A", "Man", "has", "kept", "money", "in", "the", "bank"],
-               "embeddings": [[-0.03, -0.78, 0.006], [-0.024, -0.259, -0.002], [-0.148, -0.049, -0.242],
-                              [-0.447, -0.265, -0.469], [-0.207, -0.336, -0.411], [-0.133, 0.546, 0.076],
-                              [-0.013, 0.833, -0.044], [0.02, -0.286, 0.524]], "query": 7}  # fmt: skip
+    classic = classic_table()
     name = str(run)
     typed = [SHAKESPEARE[: min(60 + i % 40, context)] for i in range(40)]
     sliders = [{"temperature": 0.8, "top_k": 10, "top_p": 0.9}, {"temperature": 0.0}, {"temperature": 1.5}]

@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 
 import qkv
-from qkv.lab import attention_map
 from qkv.lab.attention_map import plot as plot_attention
+from qkv.lab.attention_map import run_attention_maps
 from qkv.lab.plotting import COLORS, label, new_figure
 
 run_dir = Path(tempfile.mkdtemp(prefix="qkv-gpt-")) / "run"
@@ -62,11 +62,12 @@ print(run.generate("ROMEO:", max_new_tokens=300, temperature=0.8, seed=1))
 
 # %% [markdown]
 # ## What it attends to
-# The attention weights of every layer and head on a line of text (qkv.lab.attention_map): some heads
+# The attention weights of every layer and head on a line of text (`qkv.lab.attention_map` on the run
+# loaded above): some heads
 # look at the previous character, some further back.
 
 # %%
-maps = attention_map(run_dir, "ROMEO: But, soft!")
+maps = run_attention_maps(run, "ROMEO: But, soft!")
 plot_attention(maps, None, index=len(maps.maps) - 1)
 
 # %% [markdown]

@@ -5,6 +5,7 @@ python scripts/explore_screenshots.py runs/lm docs/images     # needs the dev se
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -27,7 +28,7 @@ def main(run: str, out: Path) -> None:
     options = Options()
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"):
         options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
+    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver") or "chromedriver"), options=options)
     try:
         for panel, (width, height) in PANELS.items():
             driver.set_window_size(width, height)

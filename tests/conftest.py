@@ -6,6 +6,8 @@ thread hand-offs, which costs 5-10x when the machine's 2 cores are busy with oth
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -16,3 +18,20 @@ torch.set_num_threads(1)
 def _seed() -> None:
     """Every test starts from the same RNG state, so failures reproduce."""
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def explore_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A working directory with the runs `qkv explore` tests open: runs/lm (2 layers × 2 heads), runs/tr, runs/mlm."""
+    from helpers import tiny_data, tiny_settings
+
+    from qkv.tasks import train
+
+    root = tmp_path_factory.mktemp("explore")
+    data = tiny_data(root / "data")
+    for task, name in (("lm", "lm"), ("translate", "tr"), ("mlm", "mlm")):
+        settings = tiny_settings(task, data)
+        if task == "lm":
+            settings["model"] = {**settings["model"], "n_layers": 2}
+        train(task=task, verbose=False, **settings, out_dir=str(root / "runs" / name))
+    return root

@@ -7,6 +7,7 @@ and never a 500, and Ctrl-C that stops it cleanly.
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import urllib.error
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import explore_server, tiny_data, tiny_settings
+from helpers import explore_server
 
 from qkv.attention import record_attention
 from qkv.errors import QkvError
@@ -26,20 +27,13 @@ from qkv.explore.library import RequestError, RunLibrary
 from qkv.explore.server import HostCheck, allowed_hosts, parse_host
 from qkv.generation import Sampling
 from qkv.lab.walkthrough import CLASSIC, builtin_example, walkthrough
-from qkv.tasks import load, train
+from qkv.tasks import load
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A working directory with runs/lm (2 layers × 2 heads), runs/tr (translation) and runs/mlm."""
-    root = tmp_path_factory.mktemp("explore")
-    data = tiny_data(root / "data")
-    for task, name in (("lm", "lm"), ("translate", "tr"), ("mlm", "mlm")):
-        settings = tiny_settings(task, data)
-        if task == "lm":
-            settings["model"] = {**settings["model"], "n_layers": 2}
-        train(task=task, verbose=False, **settings, out_dir=str(root / "runs" / name))
-    return root
+def root(explore_root: Path) -> Path:
+    """The working directory of the runs (conftest.explore_root)."""
+    return explore_root
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +41,11 @@ def server(root: Path) -> Any:
     """The explorer serving root/runs, as a real process."""
     with explore_server(root, "--runs", "runs") as explorer:
         yield explorer
+
+
+def _unpack(packed: dict[str, Any]) -> np.ndarray:
+    """A matrix the API packed: base64 float32 with its shape."""
+    return np.frombuffer(base64.b64decode(packed["data"]), dtype="<f4").reshape(packed["shape"])
 
 
 def _request(url: str, body: Any = None, raw: bytes | None = None, host: str | None = None,
@@ -127,8 +126,7 @@ def test_model_panel_numbers_are_the_models(root: Path) -> None:
     run = load(root / "runs" / "lm")
     text = "To be, or not"
     answer = model_panel.attention(run, text)
-    packed = answer["kinds"]["self"]["weights"]
-    got = np.frombuffer(__import__("base64").b64decode(packed["data"]), dtype="<f4").reshape(packed["shape"])
+    got = _unpack(answer["kinds"]["self"]["weights"])
     ids = run.require_tokenizer().encode(text)
     with torch.no_grad(), record_attention(run.model) as recorder:
         logits = run.model(torch.tensor([ids]))[0, -1]
@@ -225,7 +223,7 @@ BAD_REQUESTS = [
     ("an empty text", "attention", {"run": "runs/lm", "text": ""}, 400, "empty"),
     ("ids outside the vocabulary", "step", {"run": "runs/lm", "ids": [10**6]}, 400, "token ids must be between"),
     ("a 1-feature batch", "norms", {"batch": [[1], [2]]}, 400, "2 to 16 features"),
-    ("an unknown route", "nothing", {}, 404, "Not Found"),
+    ("an unknown route", "nothing", {}, 404, "no API route"),
     (
         "a 400-digit number",
         "spreadsheet",
@@ -310,8 +308,7 @@ def test_masked_lm_and_translation_runs_show_their_kinds_of_attention(root: Path
     """An MLM run: one bidirectional self-attention, no next token; a translation run: encoder, decoder, cross."""
     mlm = load(root / "runs" / "mlm")
     answer = model_panel.attention(mlm, "To be, or not to be")
-    weights = answer["kinds"]["self"]["weights"]
-    got = np.frombuffer(__import__("base64").b64decode(weights["data"]), dtype="<f4").reshape(weights["shape"])
+    got = _unpack(answer["kinds"]["self"]["weights"])
     assert list(answer["kinds"]) == ["self"] and not model_panel.describe(mlm)["causal"]
     assert np.triu(got, 1).max() > 0  # every token sees the ones after it too
     with pytest.raises(QkvError, match="does not predict the next token"):

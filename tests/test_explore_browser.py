@@ -19,11 +19,11 @@ from urllib.parse import urlsplit
 import numpy as np
 import pytest
 import torch
-from helpers import chrome, explore_server, find_browser, requested_urls, subprocess_env, tiny_data, tiny_settings
+from helpers import chrome, explore_server, find_browser, requested_urls, subprocess_env
 
 from qkv.attention import record_attention
 from qkv.lab.walkthrough import builtin_example, walkthrough
-from qkv.tasks import load, train
+from qkv.tasks import load
 from qkv.translation.attention_maps import recorded_translation
 
 LM_TEXT = "To be, or not"
@@ -79,20 +79,14 @@ def wait_for(check: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
 
 
 @pytest.fixture(scope="module")
-def page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Page]:
-    """Runs of a language model (2 layers × 2 heads) and a translation model, served and opened in Chromium."""
+def page(explore_root: Path) -> Iterator[Page]:
+    """The runs of conftest.explore_root (a 2-layer × 2-head language model, a translation model) in Chromium."""
     browser = find_browser()  # before the work: a missing browser fails at once, with the reason
-    root = tmp_path_factory.mktemp("explore-page")
-    data = tiny_data(root / "data")
-    lm = tiny_settings("lm", data)
-    lm["model"] = {**lm["model"], "n_layers": 2}
-    train(task="lm", verbose=False, **lm, out_dir=str(root / "runs" / "lm"))
-    train(task="translate", verbose=False, **tiny_settings("translate", data), out_dir=str(root / "runs" / "tr"))
-    with explore_server(root, "runs/lm") as explorer:
+    with explore_server(explore_root, "runs/lm") as explorer:
         driver = chrome(*browser, height=1600)
         try:
             driver.get(explorer.url)
-            page = Page(driver, explorer.url, root)
+            page = Page(driver, explorer.url, explore_root)
             wait_for(lambda: page.js("return window.qkvExplore && window.qkvExplore.ready"), "the page to load")
             yield page
         finally:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qkv import DecoderLM, DecoderLMConfig, QkvError
-from qkv.generation import Sampling, filter_logits, generate, sample_next, stream
+from qkv.generation import Sampling, filter_logits, generate, next_token_probs, sample_next, stream
 
 
 @functools.cache
@@ -179,3 +179,13 @@ def test_bad_prompt() -> None:
         generate(model, torch.zeros(1, 0, dtype=torch.long), 3)
     with pytest.raises(QkvError, match=r"the prompt must be a non-empty \(B, T\) tensor"):
         generate(model, torch.zeros(3, dtype=torch.long), 3)
+
+
+@pytest.mark.parametrize("temperature", [-1.0, 1e-40, 1e-4])
+def test_temperatures_that_would_overflow_the_logits_are_refused(temperature: float) -> None:
+    """Between 0 (greedy) and 0.001, logits / T overflows float32 for real logits: refused with a one-line error."""
+    with pytest.raises(QkvError, match="temperature must be"):
+        Sampling(temperature=temperature)
+    logits = torch.tensor([[30.0, 29.0, -5.0]])
+    probs = next_token_probs(logits, Sampling(temperature=1e-3))
+    assert torch.isfinite(probs).all() and probs[0, 0] == 1.0

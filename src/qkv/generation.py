@@ -53,6 +53,8 @@ class Sampling:
         """Refuse options that make no sense, naming the option."""
         if self.temperature < 0:
             raise QkvError(f"temperature must be ≥ 0 (0 = greedy), got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise QkvError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {self.temperature:g}")
         if self.top_k is not None and self.top_k < 1:
             raise QkvError(f"top_k must be ≥ 1, got {self.top_k}")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
@@ -64,6 +66,7 @@ class Sampling:
 
 
 GREEDY = Sampling(temperature=0.0)
+MIN_TEMPERATURE = 1e-3  # below it, logits / T overflows float32 for real logits: use 0, greedy
 
 
 def next_token_probs(logits: Tensor, sampling: Sampling) -> Tensor:

@@ -17,7 +17,7 @@ def register(sub: Any) -> None:
                    help="the address to listen on (default 127.0.0.1: this machine only)")  # fmt: skip
     p.add_argument("--port", type=int, default=0, help="the port (default: a free one)")
     p.add_argument("--no-browser", action="store_true", help="print the address without opening a browser")
-    p.add_argument("--checkpoint", default="best", help="best or last weights of the runs")
+    p.add_argument("--checkpoint", default="best", choices=("best", "last"), help="which weights of the runs")
 
 
 def cmd_explore(args: argparse.Namespace) -> int:
@@ -27,8 +27,6 @@ def cmd_explore(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise QkvError(f"--port must be between 0 and 65535, got {args.port}")
-    if args.checkpoint not in ("best", "last"):
-        raise QkvError(f"--checkpoint must be best or last, got {args.checkpoint!r}")
     for package in ("starlette", "uvicorn"):
         require(package, "explore", "the interactive page")
     from qkv.explore.library import RunLibrary

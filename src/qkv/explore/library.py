@@ -45,6 +45,7 @@ class RunLibrary:
         self.checkpoint = checkpoint
         self.run_dir = run_dir.resolve() if run_dir is not None else None
         self._loaded: dict[Path, Any] = {}
+        self._infos: dict[Path, RunInfo | None] = {}  # what each directory's config.json said, read once
         self._lock = threading.Lock()
 
     @property
@@ -57,14 +58,16 @@ class RunLibrary:
         return str(path.relative_to(self.base)) if path.is_relative_to(self.base) else str(path)
 
     def _info(self, path: Path) -> RunInfo | None:
-        """The run at `path`, or None when it is no run directory of a task with text."""
+        """The run at `path`, or None when it is no run directory of a task with text (config.json read once)."""
         from qkv.io.run_dir import read_run_config  # imports torch: not before the server listens
 
-        try:
-            task = read_run_config(path)["task"]
-        except (QkvError, OSError, KeyError):
-            return None
-        return RunInfo(self._name(path), task, path) if task in TASKS else None
+        if path not in self._infos:
+            try:
+                task = read_run_config(path)["task"]
+            except (QkvError, OSError, KeyError):
+                task = None
+            self._infos[path] = RunInfo(self._name(path), task, path) if task in TASKS else None
+        return self._infos[path]
 
     def available(self) -> list[RunInfo]:
         """Every run the page may open: RUN_DIR first, then the runs found under the search directory."""

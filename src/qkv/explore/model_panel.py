@@ -18,6 +18,7 @@ from qkv.attention import record_attention
 from qkv.errors import QkvError
 from qkv.generation import Sampling, next_token_probs, sample_next
 from qkv.lab.attention_map import run_attention_maps
+from qkv.lab.softmax import entropy
 from qkv.models import DecoderLM
 
 TOP_TOKENS = 20  # rows of the next-token chart
@@ -48,13 +49,13 @@ def attention(run: Any, text: str, layer: int | None = None, head: int | None = 
     layer, head: only that layer (and head) of each kind, as (1, 1 or H, T_q, T_k) arrays.
     """
     _check_size(run, text)
-    result = run_attention_maps(run, text)
-    n_layers, n_heads = max(m.layer for m in result.maps) + 1, result.maps[0].weights.shape[0]
+    n_layers, n_heads = max(_layers(run.model.cfg)), run.model.cfg.n_heads
     if layer is not None and not 0 <= layer < n_layers:
         raise QkvError(f"layer {layer} is out of range: the model has layers 0 to {n_layers - 1}")
     if head is not None and not 0 <= head < n_heads:
         raise QkvError(f"head {head} is out of range: the model has heads 0 to {n_heads - 1}")
     heads = slice(None) if head is None else slice(head, head + 1)
+    result = run_attention_maps(run, text)
     kinds: dict[str, Any] = {}
     for m in (m for m in result.maps if layer is None or m.layer == layer):
         kind = kinds.setdefault(m.kind, {"query_tokens": m.query_tokens, "key_tokens": m.key_tokens,
@@ -65,8 +66,8 @@ def attention(run: Any, text: str, layer: int | None = None, head: int | None = 
     for kind in kinds.values():  # (layers, heads, T_q, T_k) each
         kind["weights"], kind["scores"] = pack(np.stack(kind["weights"])), pack(np.stack(kind["scores"]))
     out: dict[str, Any] = {"model_type": result.model_type, "kinds": kinds}
-    if "cross" in kinds:  # the greedy translation whose decoding the maps show
-        out["translation"] = run.translator().translate([text], beam_size=1)[0]
+    if result.translation is not None:
+        out["translation"] = result.translation
     return out
 
 
@@ -74,8 +75,8 @@ def _check_size(run: Any, text: str) -> None:
     """Refuse a text whose maps (every layer and head) would not fit in memory: a long text on a large model."""
     cfg = run.model.cfg
     layers = sum(_layers(cfg)) + (_layers(cfg)[-1] if run.task == "translate" else 0)  # cross-attention too
-    tokenizer = run.translator().tokenizer if run.task == "translate" else run.require_tokenizer()
-    n = len(tokenizer.encode(text)) * (2 if run.task == "translate" else 1)  # a translation: about as long again
+    n = len(run.require_tokenizer().encode(text))
+    n *= 2 if run.task == "translate" else 1  # a translation's output is about as long again
     limit = int((MAX_WEIGHTS / (layers * cfg.n_heads)) ** 0.5)
     if n > limit:
         raise QkvError(f"the text is about {n} tokens long; this model's maps (every layer and head) hold at most "
@@ -105,11 +106,14 @@ def _ids(run: Any, text: str | None, ids: list[int] | None) -> list[int]:
     return ids
 
 
-def _forward(model: DecoderLM, window: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Last-position logits (V,) and each layer's attention weights (H, T, T) for a window of ids."""
-    device = next(model.parameters()).device
+def _forward(model: DecoderLM, window: list[int], record: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Last-position logits (V,) and, if `record`, each layer's attention weights (H, T, T) for a window of ids."""
+    ids = torch.tensor([window], device=next(model.parameters()).device)
+    if not record:  # the fused kernel: nothing is recorded that nobody reads
+        with torch.no_grad():
+            return model(ids)[0, -1].float(), []
     with torch.no_grad(), record_attention(model, only="decoder.layers.*.self_attn") as recorder:
-        logits = model(torch.tensor([window], device=device))[0, -1].float()
+        logits = model(ids)[0, -1].float()
     return logits, [w[0].float().cpu() for w in recorder.weights_of()]
 
 
@@ -118,15 +122,13 @@ def _distribution(logits: torch.Tensor, sampling: Sampling, tokenizer: Any) -> d
     base = torch.softmax(logits, dim=-1)
     shaped = next_token_probs(logits[None], sampling)[0]
     top = torch.argsort(base, descending=True)[:TOP_TOKENS].tolist()
-    kept = shaped > 0
     return {
-        "tokens": [tokenizer.decode([i]) for i in top],
+        "tokens": [tokenizer.decode([i]) for i in top],  # the first is the greedy choice
         "ids": top,
         "model_probs": [float(base[i]) for i in top],
         "probs": [float(shaped[i]) for i in top],
-        "kept": int(kept.sum()),
-        "entropy": float(-(shaped[kept] * shaped[kept].log()).sum()),
-        "greedy": tokenizer.decode([int(logits.argmax())]),
+        "kept": int((shaped > 0).sum()),
+        "entropy": float(entropy(shaped.double().numpy())),
     }
 
 
@@ -144,7 +146,7 @@ def step(run: Any, text: str | None, ids: list[int] | None, sampling: Sampling) 
     tokenizer = run.require_tokenizer()
     ids = _ids(run, text, ids)
     window = ids[-model.cfg.max_positions :]
-    logits, weights = _forward(model, window)
+    logits, weights = _forward(model, window, record=True)
     generator = sampling.generator(logits.device)
     token = int(sample_next(logits[None], sampling, generator)[0])
     rows = torch.stack([w[:, -1, :] for w in weights])  # (layers, heads, T): the last query's row in each head

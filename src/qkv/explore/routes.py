@@ -25,7 +25,6 @@ from qkv.generation import Sampling
 from qkv.lab.walkthrough import TRAINABLE_SENTENCE
 
 SEED_LIMIT = 2**31 - 1
-MIN_TEMPERATURE = 1e-3
 
 
 def runs(library: RunLibrary) -> dict[str, Any]:
@@ -85,11 +84,9 @@ def attention(library: RunLibrary, body: Body) -> dict[str, Any]:
 
 
 def _sampling(body: Body) -> Sampling:
-    """Temperature (0 = greedy, else ≥ 0.001), top-k (null: off), top-p (1: off) and a seed from the request."""
-    temperature = body.number("temperature", 0.0, 100.0, 1.0)
-    if 0 < temperature < MIN_TEMPERATURE:  # logits / 1e-40 overflow: the page's slider never goes there
-        raise QkvError(f"'temperature' must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {temperature:g}")
-    return Sampling(temperature, body.optional_integer("top_k", 1, 10**9), body.number("top_p", 1e-6, 1.0, 1.0),
+    """Temperature (0 = greedy), top-k (null: off), top-p (1: off) and a seed; Sampling checks their ranges."""
+    temperature, top_p = body.number("temperature", 0.0, 100.0, 1.0), body.number("top_p", 1e-6, 1.0, 1.0)
+    return Sampling(temperature, body.optional_integer("top_k", 1, 10**9), top_p,
                     body.optional_integer("seed", 0, SEED_LIMIT))  # fmt: skip
 
 

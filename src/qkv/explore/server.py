@@ -108,22 +108,21 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
     return _error(exc.status_code, str(exc.detail))
 
 
-POSTS = ("spreadsheet", "trainable", "multihead", "positions", "norms", "model", "attention", "next", "step")
-
-
 def _handle(name: str, library: RunLibrary, body: Body) -> dict[str, Any]:
-    """Run route `name` of qkv.explore.routes (imported on first use: it loads torch)."""
+    """Run the POST route `name` of qkv.explore.routes (imported on first use: it loads torch)."""
     from qkv.explore import routes
 
+    if name not in routes.POSTS:
+        raise RequestError(404, f"no API route {name!r}; the routes are: {', '.join(routes.POSTS)}")
     return routes.POSTS[name](library, body)
 
 
-def api(name: str, library: RunLibrary) -> Callable[[Request], Awaitable[Response]]:
-    """A POST route: the JSON body checked into a Body, the handler run off the event loop, its dict as JSON."""
+def api(library: RunLibrary) -> Callable[[Request], Awaitable[Response]]:
+    """POST /api/NAME: the JSON body checked into a Body, route NAME run off the event loop, its dict as JSON."""
 
     async def endpoint(request: Request) -> Response:
         """Read at most MAX_BODY bytes of JSON, answer with the route's dict (non-finite numbers refused)."""
-        raw, size = b"", 0
+        raw, size = bytearray(), 0
         async for chunk in request.stream():
             size += len(chunk)
             if size <= MAX_BODY:
@@ -133,12 +132,12 @@ def api(name: str, library: RunLibrary) -> Callable[[Request], Awaitable[Respons
         if size > MAX_BODY:  # read to the end (up to MAX_DRAINED), so that the client gets this answer, not a reset
             return _error(413, f"the request is larger than {MAX_BODY:,} bytes")
         try:
-            payload = json.loads(raw or b"{}")
+            payload = json.loads(bytes(raw) or b"{}")
         except (ValueError, RecursionError) as err:  # RecursionError: arrays nested thousands deep
             return _error(400, f"malformed JSON: {str(err)[:200]}")
         if not isinstance(payload, dict):
             return _error(400, "the request must be a JSON object")
-        answer = await run_in_threadpool(_handle, name, library, Body(payload))
+        answer = await run_in_threadpool(_handle, request.path_params["name"], library, Body(payload))
         try:
             content = json.dumps(answer, allow_nan=False, separators=(",", ":"))
         except ValueError:
@@ -165,7 +164,7 @@ def create_app(library: RunLibrary) -> Starlette:
         routes=[
             Route("/", index),
             Route("/api/runs", runs),
-            *(Route(f"/api/{name}", api(name, library), methods=["POST"]) for name in POSTS),
+            Route("/api/{name}", api(library), methods=["POST"]),
             Mount("/static", StaticFiles(directory=STATIC), name="static"),
         ],
         exception_handlers={QkvError: _on_qkv_error, HTTPException: _on_http_error},

@@ -67,6 +67,7 @@ class AttentionMapResult:
 
     model_type: str  # "decoder_lm", "encoder" or "transformer"
     maps: list[LayerMap]
+    translation: str | None = None  # an encoder–decoder run's greedy output for the text, whose decoding the maps show
 
     def table(self) -> str:
         """Per layer and kind: shape, row-sum check, mean entropy, and the most attended key of the last query."""
@@ -232,7 +233,9 @@ def _translation_maps(run: Any, text: str) -> AttentionMapResult:
     translator = run.translator()
     src, tgt, recorder = recorded_translation(translator, text)
     _check_fits(max(len(src), len(tgt)), run.model.cfg.max_positions)
-    return _encoder_decoder_maps(recorder, _tokens(translator.tokenizer, src), _tokens(translator.tokenizer, tgt))
+    result = _encoder_decoder_maps(recorder, _tokens(translator.tokenizer, src), _tokens(translator.tokenizer, tgt))
+    result.translation = translator.tokenizer.decode(tgt[1:]).strip()  # as Translator.translate decodes it
+    return result
 
 
 def plot(result: AttentionMapResult, path: str | Path | None, index: int = 0) -> Figure:

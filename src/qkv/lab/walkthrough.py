@@ -69,14 +69,17 @@ TRAINABLE_SENTENCE = "The next day is bright"
 EXP_LIMIT = 700.0  # exp(709.8) overflows float64
 
 
+EXAMPLES: dict[str, list[tuple[str, tuple[float, ...]]]] = {
+    **{name: [(w, VOCAB[w]) for w in sentence.split()] for name, sentence in SENTENCES.items()},
+    "classic": list(CLASSIC.items()),
+}  # each built-in sentence as (word, embedding) pairs
+
+
 def builtin_example(name: str) -> tuple[list[str], np.ndarray]:
     """Words and embedding matrix (one row per word) of a built-in sentence: 'river', 'money' or 'classic'."""
-    if name == "classic":
-        return list(CLASSIC), np.array(list(CLASSIC.values()))
-    if name not in SENTENCES:
-        raise QkvError(f"unknown built-in sentence {name!r}; choose one of: {', '.join([*SENTENCES, 'classic'])}")
-    words = SENTENCES[name].split()
-    return words, np.array([VOCAB[w] for w in words])
+    if name not in EXAMPLES:
+        raise QkvError(f"unknown built-in sentence {name!r}; choose one of: {', '.join(EXAMPLES)}")
+    return [w for w, _ in EXAMPLES[name]], np.array([v for _, v in EXAMPLES[name]])
 
 
 @dataclass

@@ -1,5 +1,5 @@
 // The page: four panels behind tabs, each set up by its own module.
-import { say } from "./common.js";
+import { getJSON, say } from "./common.js";
 import { initModel } from "./model.js";
 import { initPositions } from "./positions.js";
 import { initSheet } from "./sheet.js";
@@ -20,6 +20,7 @@ window.addEventListener("hashchange", showHashTab);
 showHashTab();
 
 window.qkvExplore = { ready: false };
-Promise.all([initSheet(), initWeights(), initModel(), initPositions()])
+getJSON("/api/runs") // the runs the page may open, and the spreadsheet's classic table
+  .then((runs) => Promise.all([initSheet(runs.classic), initWeights(), initModel(runs), initPositions()]))
   .then(() => { window.qkvExplore.ready = true; })
   .catch((err) => say(err.message, true));

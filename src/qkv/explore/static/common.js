@@ -8,23 +8,24 @@ async function answerOf(response) {
   return response.json().catch(() => ({}));
 }
 
-// POST a JSON body to /api/NAME; resolves to the answer, or rejects with the server's one-line error.
-export async function post(name, body) {
-  const response = await fetch(`/api/${name}`, {
-    method: "POST",
-    headers: { "Content-Type": "application/json" },
-    body: JSON.stringify(body),
-  });
+// Fetch a JSON answer; rejects with the server's one-line error.
+async function request(path, init = {}) {
+  const response = await fetch(path, init);
   const answer = await answerOf(response);
   if (!response.ok) throw new Error(answer.error || `HTTP ${response.status}`);
   return answer;
 }
 
-export async function getJSON(path) {
-  const response = await fetch(path);
-  const answer = await answerOf(response);
-  if (!response.ok) throw new Error(answer.error || `HTTP ${response.status}`);
-  return answer;
+// POST a JSON body to /api/NAME.
+export function post(name, body) {
+  return request(`/api/${name}`, {
+    method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
+  });
+}
+
+// GET a JSON answer.
+export function getJSON(path) {
+  return request(path);
 }
 
 // A live view: calls to update() while a request is on its way are merged into one follow-up request,
@@ -47,12 +48,14 @@ export function live(request, draw) {
   return update;
 }
 
+// The status line at the top: the last error, or nothing.
 export function say(message, isError = false) {
   const line = statusLine();
   line.textContent = message;
   line.classList.toggle("error", isError);
 }
 
+// A number for a cell: fixed point, or scientific when tiny or huge; masked scores as −∞.
 export function fmt(value, digits = 4) {
   if (value === null || value === undefined) return "−∞"; // a masked score (JSON has no −∞)
   if (Number.isNaN(value)) return "";
@@ -80,6 +83,7 @@ export function block(values, offset, rows, cols) {
   return out;
 }
 
+// A DOM element with attributes (class, text, on<event> handlers) and children.
 export function el(tag, attrs = {}, ...children) {
   const node = document.createElement(tag);
   for (const [key, value] of Object.entries(attrs)) {
@@ -173,6 +177,7 @@ export function numberInput(value, attrs, onNumber) {
   return input;
 }
 
+// fn, called once typing pauses for `ms` milliseconds.
 export function debounce(fn, ms = 120) {
   let timer = null;
   return (...args) => { clearTimeout(timer); timer = setTimeout(() => fn(...args), ms); };

@@ -1,7 +1,7 @@
 // Panel 3: your model. Attention maps of every layer and head for the typed text (the server records
 // them with qkv.attention.record_attention), the next-token distribution under temperature, top-k and
 // top-p (qkv.generation), and generation one token per key press.
-import { $, block, debounce, el, fmt, getJSON, heatmap, live, post, say, showToken, unpack } from "./common.js";
+import { $, block, debounce, el, fmt, heatmap, live, post, say, showToken, unpack } from "./common.js";
 
 // `generation` counts the times the text or the run changed: an answer to an older one is dropped.
 const state = { run: null, info: null, maps: null, kind: null, layer: 0, head: 0, revealed: Infinity,
@@ -115,7 +115,7 @@ function drawDistribution(d) {
     el("span", { class: "track" }, el("span", { class: "model", style: `width:${100 * d.model_probs[i]}%` }),
       el("span", { class: "shaped", style: `width:${100 * d.probs[i]}%` })),
     el("span", { class: "prob", text: `${fmt(d.probs[i], 4)} (model ${fmt(d.model_probs[i], 4)})` }))),
-  el("p", { class: "note", text: `${d.kept} token(s) keep probability; entropy ${fmt(d.entropy, 3)} nats; greedy: “${showToken(d.greedy)}”` }));
+  el("p", { class: "note", text: `${d.kept} token(s) keep probability; entropy ${fmt(d.entropy, 3)} nats; greedy: “${showToken(d.tokens[0])}”` }));
 }
 
 function generationRequest() {
@@ -191,8 +191,8 @@ async function openRun(name) {
   await Promise.all([refreshAttention(), info.causal ? refreshNext() : null]);
 }
 
-export async function initModel() {
-  const { runs, default: preferred } = await getJSON("/api/runs");
+// Set up the panel on the runs the server offers ({runs, default}).
+export async function initModel({ runs, default: preferred }) {
   $("model-empty").hidden = runs.length > 0;
   $("model-body").hidden = runs.length === 0;
   if (runs.length === 0) return;

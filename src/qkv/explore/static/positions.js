@@ -67,6 +67,7 @@ const updateNorms = live(() => post("norms", { batch }), (a) => $("norm-outputs"
   normFigure("RMSNorm: each row RMS 1", "norm-rms", a.rms),
 ));
 
+// Set up the positional-encoding and norms views.
 export async function initPositions() {
   const positions = live(() => post("positions", {
     d_model: Number($("pe-dmodel").value), position: Number($("pe-position").value), offset: Number($("pe-offset").value),

@@ -1,6 +1,6 @@
 // Panel 1: the attention spreadsheet. The table is the page's state; every edit asks the server
 // (qkv.lab.walkthrough) for every stage again, and the answer is drawn below the embeddings.
-import { $, colour, el, fmt, getJSON, live, numberInput, post } from "./common.js";
+import { $, colour, el, fmt, live, numberInput, post } from "./common.js";
 
 const state = { words: [], embeddings: [], query: 0 };
 let classic = null;
@@ -121,8 +121,9 @@ function reset() {
   build();
 }
 
-export async function initSheet() {
-  classic = (await getJSON("/api/runs")).classic;
+// Set up the panel on the classic table ({words, embeddings, query}).
+export async function initSheet(table) {
+  classic = table;
   $("sheet-query").addEventListener("change", (e) => { state.query = Number(e.target.value); build(); });
   $("sheet-add-word").addEventListener("click", addWord);
   $("sheet-reset").addEventListener("click", reset);

@@ -54,6 +54,7 @@ function drawHeads(a) {
   }));
 }
 
+// Set up the trainable-weights and multi-head views.
 export async function initWeights() {
   const trainable = live(() => post("trainable", { seed: Number($("tw-seed").value), causal: $("tw-causal").checked }),
     drawTrainable);
