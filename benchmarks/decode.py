@@ -9,8 +9,10 @@ tokens (default 64) to keep the run short; its tokens/s is therefore measured ov
 
 At batch 1 a decode step is bound by memory, not arithmetic: every weight matrix is read once per token (GPT-2
 small: 124 M fp32 numbers, 0.5 GB). The benchmark measures that bound in the same run — one token multiplied
-by every weight matrix of the model, nothing else, in the faster of the two layouts — and prints it beside the
-decoders, so it tells how much of the gap to any other implementation is left to close. At batch 1 in float32,
+by every weight matrix of the model (and its bias), nothing else, in the faster of the two layouts — and prints
+it beside the decoders, so it tells how much of the gap to any other implementation is left to close. At batch 1
+it also clocks a qkv step with hooks on every product: the time inside them, and the time outside (norms,
+attention, the cache, sampling, Python), which is what keeps a decoder from the ceiling. At batch 1 in float32,
 qkv decodes as `qkv generate` does, with input-major matrices (qkv.quantization.input_major).
 
 Hence --dtypes: in bfloat16 each weight is 2 bytes instead of 4, so a decoder bound by memory runs up to 2× faster.
@@ -70,8 +72,8 @@ def weight_read_bound(model: nn.Module, device: torch.device, dtype: torch.dtype
     """Tokens/s of a step that only multiplies one token by each weight matrix once (the memory-bound ceiling)."""
     layers: dict[int, tuple[Callable[[Tensor], Tensor], int]] = {}  # each product once, with its input width
     for m in model.modules():
-        if isinstance(m, nn.Linear):
-            layers[id(m.weight)] = functools.partial(F.linear, weight=m.weight), m.in_features  # a tied head once
+        if isinstance(m, nn.Linear):  # with its bias, as the other kinds' forward and the decoder's Linear add it
+            layers[id(m.weight)] = functools.partial(F.linear, weight=m.weight, bias=m.bias), m.in_features
         elif isinstance(m, (Int8Linear, InputMajorLinear)):  # the same kernel a decode step calls
             layers[id(m)] = m, m.in_features
     inputs = {k: torch.randn(1, k, device=device, dtype=dtype) for _, k in layers.values()}
@@ -80,6 +82,40 @@ def weight_read_bound(model: nn.Module, device: torch.device, dtype: torch.dtype
         seconds, _ = _timed(lambda: torch.stack([f(inputs[k]).sum() for f, k in layers.values()]), device)
         best = min(best, seconds)
     return 1.0 / best
+
+
+PRODUCTS = (nn.Linear, Int8Linear, InputMajorLinear)  # the modules whose weight reads the ceiling times
+
+
+@torch.inference_mode()
+def time_split(model: nn.Module, ids: Tensor, n: int, device: torch.device) -> tuple[float, float]:
+    """(ms per token in all, ms per token inside the weight products) of one greedy decode of n tokens after ids.
+
+    Forward hooks clock every product; what is left (norms, attention, the cache, sampling, Python) is the part a
+    decoder adds to the ceiling's work. The hooks' own cost falls outside the products, so "outside" is an upper bound.
+    """
+    inside = [0.0]
+    started: dict[int, float] = {}
+
+    def before(module: nn.Module, _: Any) -> None:
+        started[id(module)] = time.perf_counter()
+
+    def after(module: nn.Module, _: Any, out: Tensor) -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        inside[0] += time.perf_counter() - started[id(module)]
+
+    handles = [h for m in model.modules() if isinstance(m, PRODUCTS)
+               for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]  # fmt: skip
+    try:
+        decode = _qkv_decoder(model, ids)
+        decode(2)
+        inside[0] = 0.0
+        seconds, _ = _timed(functools.partial(decode, n), device)
+    finally:
+        for h in handles:
+            h.remove()
+    return 1e3 * seconds / n, 1e3 * inside[0] / n
 
 
 def _race(decoders: dict[str, Callable[[int], Tensor]], n: int, device: torch.device, repeats: int
@@ -145,6 +181,8 @@ def measure(cfg: DecoderLMConfig, batch_sizes: list[int], prompt_len: int, new_t
             row["qkv_over_transformers"] = row["qkv_cache_tokens_per_s"] / row["transformers_tokens_per_s"]
             row["qkv_over_ceiling"] = row["qkv_cache_tokens_per_s"] / bounds[dtype_name] / batch
             row["transformers_over_ceiling"] = row["transformers_tokens_per_s"] / bounds[dtype_name] / batch
+            if batch == 1:
+                row["ms_per_token"], row["ms_in_products"] = time_split(ours, ids, new_tokens, device)
             if dtype_name == no_cache_dtype:  # quadratic and slow: once, in float32 if it is measured
                 slow, _ = _race({"qkv": _qkv_decoder(model, ids, cache=False)}, uncached_tokens, device, 1)
                 row["qkv_no_cache_tokens_per_s"] = batch * uncached_tokens / slow["qkv"]
@@ -183,6 +221,8 @@ def measure_int8(base: DecoderLM, hf_fp32: Any, cfg: DecoderLMConfig, batch_size
                "same_tokens": bool(torch.equal(out["qkv"].cpu(), out["hf"].cpu()))}  # fmt: skip
         row["qkv_over_transformers"] = row["qkv_cache_tokens_per_s"] / row["transformers_tokens_per_s"]
         row["qkv_over_ceiling"] = row["qkv_cache_tokens_per_s"] / bounds["int8"] / batch
+        if batch == 1:
+            row["ms_per_token"], row["ms_in_products"] = time_split(quantized, ids, new_tokens, device)
         rows[f"int8/{batch}"] = row
     return rows
 
@@ -204,6 +244,15 @@ def print_table(report: dict[str, Any]) -> None:
               f"{r['transformers_tokens_per_s']:,.1f} | {r['qkv_over_transformers']:.2f} | "
               f"{r['qkv_over_ceiling']:.0%} | {r['same_tokens']} |")  # fmt: skip
     rows = report["rows"]
+    for key, r in rows.items():
+        if "ms_in_products" in r:
+            dtype = key.split("/")[0]
+            budget = 1e3 / report["weight_read_bound_tokens_per_s"][dtype] * (1 / 0.95 - 1)
+            outside = r["ms_per_token"] - r["ms_in_products"]
+            print(
+                f"\nqkv {dtype}, batch 1, hooks on: {r['ms_per_token']:.2f} ms per token, {r['ms_in_products']:.2f} "
+                f"in the weight products, {outside:.2f} outside them (95 % of the ceiling leaves {budget:.2f} ms)"
+            )
     for batch, ratio in report["qkv_bf16_over_transformers_fp32"].items():
         print(f"\nbatch {batch}: qkv in bfloat16 decodes {ratio:.2f}× as fast as transformers in float32")
         if f"int8/{batch}" in rows:

@@ -60,6 +60,10 @@ def test_decode_through_qkv_bench(tmp_path: Path) -> None:
         assert row["qkv_cache_tokens_per_s"] > 0 and row["transformers_tokens_per_s"] > 0
         assert row["qkv_over_transformers"] > 0
         assert row["qkv_over_ceiling"] > 0
+        if key.endswith("/1"):  # the step's time split: inside the weight products, and the rest
+            assert 0 < row["ms_in_products"] < row["ms_per_token"]
+        else:
+            assert "ms_in_products" not in row
         if key.startswith("float32"):  # the no-cache row runs once, in float32
             assert row["qkv_no_cache_tokens_per_s"] > 0 and row["same_tokens"]
         else:

@@ -13,6 +13,7 @@ from qkv.attention import (
     cache_length,
     new_cache,
     reorder_cache,
+    storage_dtype,
 )
 from qkv.positional import RotaryEmbedding
 
@@ -104,3 +105,24 @@ def test_kv_cache_grows_geometrically() -> None:
         capacities.append(cache.capacity)
     assert sorted(set(capacities)) == [4, 8, 16, 32, 64, 128]
     assert cache.length == 100
+
+
+def test_half_precision_cache_on_the_cpu_holds_float32() -> None:
+    """A bfloat16 model's CPU cache keeps its keys exactly, in float32; attention there runs in float32."""
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 4, n_kv_heads=2).eval().to(torch.bfloat16)
+    x = torch.randn(2, 5, 16, dtype=torch.bfloat16)
+    cache = KVCache()
+    with torch.no_grad():
+        full = mha(x, causal=True)
+        steps = [mha(x[:, i : i + 1], causal=True, cache=cache) for i in range(5)]
+        # The same products as the steps (one token each: a batch of 5 may round differently), (B, H_kv, T, D).
+        keys = torch.cat([mha.k_proj(x[:, i : i + 1]) for i in range(5)], dim=1).view(2, 5, 2, 4).transpose(1, 2)
+    cached_keys, cached_values = cache.keys_values()
+    assert cached_keys.dtype == cached_values.dtype == torch.float32
+    assert torch.equal(cached_keys, keys.float())  # bfloat16 → float32 is exact
+    out = torch.cat(steps, dim=1)
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - full.float()).abs().max().item() <= 2e-2  # bfloat16 rounding of the full pass
+    assert storage_dtype(torch.empty(1, dtype=torch.bfloat16, device="meta")) == torch.bfloat16  # not the CPU
+    assert storage_dtype(torch.empty(1, dtype=torch.float64)) == torch.float64

@@ -83,7 +83,7 @@ def next_token_probs(logits: Tensor, sampling: Sampling) -> Tensor:
 def sample_next(logits: Tensor, sampling: Sampling, generator: torch.Generator | None = None) -> Tensor:
     """Next token ids (B,) from last-position logits (B, V); temperature 0 means greedy (argmax)."""
     if sampling.temperature == 0.0:
-        return logits.argmax(dim=-1)
+        return logits.float().argmax(dim=-1)  # on the CPU a cast and float32 argmax beat a bfloat16 argmax
     probs = next_token_probs(logits, sampling)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 

@@ -106,9 +106,7 @@ class InputMajorLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x (…, K) → (…, N) = x Wᵀ + b: the same product, summed in BLAS's other order."""
-        flat = x.reshape(-1, self.in_features)  # (M, K)
-        y = flat @ self.weight_t if self.bias is None else torch.addmm(self.bias, flat, self.weight_t)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.weight_t.t(), self.bias)  # W = (Wᵀ)ᵀ is a view: BLAS reads weight_t as stored
 
     def extra_repr(self) -> str:
         """Shapes, as nn.Linear shows them."""

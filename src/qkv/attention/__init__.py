@@ -1,7 +1,7 @@
 """Attention: scaled dot-product attention, masks, multi-head / grouped-query / latent attention, KV caches,
 and recording the attention weights."""
 
-from qkv.attention.cache import KVCache, LayerCache, cache_length, new_cache, reorder_cache
+from qkv.attention.cache import KVCache, LayerCache, cache_length, new_cache, reorder_cache, storage_dtype
 from qkv.attention.latent import LatentAttention, LatentKVCache, set_absorb
 from qkv.attention.masks import (
     causal_mask,
@@ -33,4 +33,5 @@ __all__ = [
     "scaled_dot_product_attention",
     "set_absorb",
     "sliding_window_mask",
+    "storage_dtype",
 ]

@@ -10,11 +10,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 
+def storage_dtype(t: Tensor) -> torch.dtype:
+    """The dtype a cache keeps t's keys/values in: float32 for half precision on the CPU, else t's own.
+
+    PyTorch's CPU attention kernels are several times slower in bfloat16 than in float32 (benchmarks/SPEEDRUN.md,
+    decoding), so on the CPU a half-precision model's cache, and its attention, are float32; it costs twice the
+    cache's memory, and the numbers are only more exact. GPUs keep the model's dtype.
+    """
+    if t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return t.dtype
+
+
 class KVCache:
-    """Keys and values (B, H_kv, T, D) of one attention layer, in a preallocated, growing buffer."""
+    """Keys and values (B, H_kv, T, D) of one attention layer, in a preallocated, growing buffer (storage_dtype)."""
 
     def __init__(self, capacity: int = 256) -> None:
         self.capacity = capacity
@@ -38,8 +51,8 @@ class KVCache:
         # The first buffer takes the configured capacity; each regrowth at least doubles it.
         capacity = max(self.capacity if self._k is None else 2 * self.capacity, needed)
         self.capacity = capacity
-        new_k = k.new_empty(*k.shape[:-2], capacity, k.shape[-1])
-        new_v = v.new_empty(*v.shape[:-2], capacity, v.shape[-1])
+        new_k = k.new_empty(*k.shape[:-2], capacity, k.shape[-1], dtype=storage_dtype(k))
+        new_v = v.new_empty(*v.shape[:-2], capacity, v.shape[-1], dtype=storage_dtype(v))
         if self._k is not None and self._v is not None and self.length > 0:
             new_k[:, :, : self.length] = self._k[:, :, : self.length]
             new_v[:, :, : self.length] = self._v[:, :, : self.length]
@@ -95,4 +108,4 @@ def reorder_cache(cache: list[LayerCache], index: Tensor) -> None:
         layer.cross_attn.reorder(index)
 
 
-__all__ = ["KVCache", "LayerCache", "cache_length", "new_cache", "reorder_cache"]
+__all__ = ["KVCache", "LayerCache", "cache_length", "new_cache", "reorder_cache", "storage_dtype"]

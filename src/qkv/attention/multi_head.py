@@ -82,7 +82,8 @@ class MultiHeadAttention(nn.Module):
                 cos, sin = rope
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             if cache is not None:
-                k, v = cache.append(k, v)  # (B, H_kv, T_past + T_q, D)
+                k, v = cache.append(k, v)  # (B, H_kv, T_past + T_q, D), in the cache's storage_dtype
+                q = q.to(k.dtype)
         elif cache is not None and cache.length > 0:  # cross-attention, keys already computed
             k, v = cache.keys_values()
         else:
@@ -116,6 +117,7 @@ class MultiHeadAttention(nn.Module):
         context_vecs = scaled_dot_product_attention(q, k, v, mask=mask, causal=causal and not fold, dropout_p=dropout_p)
         if fold:
             context_vecs = context_vecs.reshape(b, self.n_heads, t_q, self.d_head)  # (B, H, T_q, D)
+        context_vecs = context_vecs.to(x.dtype)
         # Concat(head_1, …, head_h): (B, H, T_q, D) → (B, T_q, H·D), then W_O.
         return self.out_proj(context_vecs.transpose(1, 2).reshape(b, t_q, self.n_heads * self.d_head))
 

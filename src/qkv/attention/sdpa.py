@@ -60,7 +60,8 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> None:
         raise QkvError(f"q, k, v must share a dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
     if not (q.device == k.device == v.device):
         raise QkvError(f"q, k, v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
-    if _broadcast(q.shape[:-2], k.shape[:-2], v.shape[:-2]) is None:
+    leads = (q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    if not leads[0] == leads[1] == leads[2] and _broadcast(*leads) is None:
         raise QkvError(
             f"leading (batch/head) dims do not broadcast: q {tuple(q.shape[:-2])}, "
             f"k {tuple(k.shape[:-2])}, v {tuple(v.shape[:-2])}"
@@ -150,6 +151,8 @@ def _fused_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float, dropout_p: float
 ) -> Tensor:
     """PyTorch's fused kernel (flash / memory-efficient / math, chosen by PyTorch)."""
+    if mask is None and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:  # nothing to broadcast (every decode step)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
     shapes = [q.shape[:-2], k.shape[:-2], v.shape[:-2]]
     if mask is not None:  # a (B, 1, 1, T_k) mask may add leading dims, as it does on the reference path
         shapes.append(mask.shape[:-2])
