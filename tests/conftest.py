@@ -6,12 +6,26 @@ thread hand-offs, which costs 5-10x when the machine's 2 cores are busy with oth
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The tests' own prepared-data cache (qkv.data.cache), shared by the session and its subprocesses."""
+    before = os.environ.get("QKV_CACHE_DIR")
+    os.environ["QKV_CACHE_DIR"] = str(tmp_path_factory.mktemp("qkv-cache"))
+    yield
+    if before is None:
+        del os.environ["QKV_CACHE_DIR"]
+    else:
+        os.environ["QKV_CACHE_DIR"] = before
 
 
 @pytest.fixture(autouse=True)

@@ -111,6 +111,23 @@ def tiny_data(root: Path) -> dict[str, Path]:
     return {"text": text, "pairs": pairs}
 
 
+def shakespeare_documents(n: int = 120, size: int = 1500) -> list[str]:
+    """n documents of about `size` characters, cut from the embedded corpus at blank lines, and a few odd ones."""
+    from qkv.data import load_shakespeare
+
+    text, docs, at = load_shakespeare(), [], 0
+    while len(docs) < n - 3:
+        end = text.find("\n\n", at + size)
+        docs.append(text[at:end])
+        at = end + 2
+    return [*docs, "A literal <|endoftext|> inside a document is text.", "Ünïcödé — “quotes” 你好 🙂", ""]
+
+
+def write_jsonl(path: Path, docs: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in docs), encoding="utf-8")
+    return path
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     """The environment of a `python -m qkv` subprocess: one thread (like one_thread()), unbuffered output."""
     import os

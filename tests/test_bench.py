@@ -171,10 +171,10 @@ print("step 2000: train loss 3.8000, val loss {val}")
 def test_speedrun_times_nanogpt_and_qkv_to_the_same_loss(tmp_path: Path, val: float, reached: bool,
                                                          capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     """Side by side with a stand-in nanoGPT: its data is qkv's split, and qkv is judged on full-split evaluations."""
-    from qkv.data.text import prepare_text_data
+    from qkv.data.cache import open_text
 
-    data = prepare_text_data(None, "char")
-    extra = len(data.train_ids) - 9 * len(data.val_ids)
+    data = open_text(None)
+    extra = len(data.split("train")) - 9 * len(data.split("val"))
     checkout = tmp_path / "nanoGPT"
     (checkout / "config").mkdir(parents=True)
     (checkout / "config" / "train_shakespeare_char.py").write_text("")

@@ -27,7 +27,7 @@ from qkv.cli import main
 from qkv.cli.runs import _TextStream
 from qkv.config import DecoderLMConfig
 from qkv.data import load_shakespeare
-from qkv.data.text import prepare_text_data
+from qkv.data.cache import open_text
 from qkv.errors import QkvError
 from qkv.io.files import atomic_save_safetensors
 from qkv.models import DecoderLM
@@ -122,12 +122,14 @@ def _copy(run: Path, tmp_path: Path, name: str = "copy") -> Path:
 # --- 5. bad input: one line on stderr, exit code 2 -------------------------------------------------------
 
 TRAIN_ERRORS: list[tuple[str, list[str], str]] = [
-    ("empty file", ["--data", "{empty}"], "{empty} is empty; a training text needs at least some characters"),
+    ("empty file", ["--data", "{empty}"], "{empty} is empty; a corpus needs at least some text"),
     ("non-UTF-8 file", ["--data", "{latin1}"],
-     "{latin1} is not valid UTF-8: byte 0xe9 at byte offset 3; re-save the file as UTF-8"),
+     "{latin1} is not valid UTF-8: byte 0xe9 at byte offset 3; re-save it as UTF-8, or prepare it with "
+     "`qkv prepare --errors replace` (bad bytes become U+FFFD)"),
     ("block size > data", ["--data", "{short}", "--block-size", "100"],
      "block size 100 is larger than the training data (77 tokens); use a smaller --block-size or more text"),
-    ("unknown tokenizer", ["--tokenizer", "wordpiece"], "unknown tokenizer 'wordpiece'; choose one of: char, bpe"),
+    ("unknown tokenizer", ["--tokenizer", "wordpiece"],
+     "unknown tokenizer 'wordpiece'; choose one of: char, bpe, gpt2"),
     ("negative steps", ["--max-steps", "-5"], "max-steps must be a positive integer, got -5"),
     ("zero batch size", ["--batch-size", "0"], "batch-size must be a positive integer, got 0"),
     ("zero eval interval", ["--eval-interval", "0"], "eval-interval must be a positive integer, got 0"),
@@ -237,13 +239,15 @@ def test_real_processes_print_one_line_and_no_traceback(
 ) -> None:
     """The same errors from `python -m qkv` itself: exit 2, one stderr line, no traceback."""
     cases = [
-        (["train", "--tokenizer", "wordpiece"], "train", "unknown tokenizer 'wordpiece'; choose one of: char, bpe"),
+        (["train", "--tokenizer", "wordpiece"], "train",
+         "unknown tokenizer 'wordpiece'; choose one of: char, bpe, gpt2"),
         (["train", "--data", str(files["latin1"]), "--max-steps", "-5"], "train",
          "max-steps must be a positive integer, got -5"),
         (["train", "--data", str(files["latin1"]), "--model", "n_layers"], "train",
          "argument --model: expected KEY=VALUE, got 'n_layers' (see qkv train --help)"),
         (["train", "--data", str(files["latin1"])], "train",
-         f"{files['latin1']} is not valid UTF-8: byte 0xe9 at byte offset 3; re-save the file as UTF-8"),
+         f"{files['latin1']} is not valid UTF-8: byte 0xe9 at byte offset 3; re-save it as UTF-8, or prepare it with "
+         "`qkv prepare --errors replace` (bad bytes become U+FFFD)"),
         (["generate", str(shakespeare_run), "--prompt", "\u4e2d"], "generate",
          "1 character(s) not in the vocabulary: '\u4e2d'; the char vocabulary comes from the training text, so "
          "remove them or retrain on text that contains them"),
@@ -478,8 +482,8 @@ def test_eval_prints_the_full_validation_loss(
     capsys: pytest.CaptureFixture[str], files: dict[str, Path], char_run: Path
 ) -> None:
     """The printed loss equals evaluate_loss over every val position, for best and last weights."""
-    data = prepare_text_data(str(files["excerpt"]))
-    assert len(data.val_ids) == 2000
+    val = open_text(str(files["excerpt"])).split("val")
+    assert len(val) == 2000
     last_row: dict[str, Any] = json.loads((char_run / "metrics.jsonl").read_text().splitlines()[-1])
     for which in ("best", "last"):
         code, out, err = run_main(capsys, "eval", str(char_run), "--checkpoint", which, "--batch-size", "7")
@@ -489,7 +493,7 @@ def test_eval_prints_the_full_validation_loss(
         assert match, out
         printed = float(match.group(1))
         run = load(char_run, which)
-        expected = evaluate_loss(run.model, data.val_ids, 32, batch_size=32)
+        expected = evaluate_loss(run.model, val, 32, batch_size=32)
         assert abs(printed - expected) < 1e-4
         assert abs(float(match.group(2)) - torch.tensor(expected).exp().item()) < 1e-2
     # eval_tokens (2000) covered the whole val split, so the last logged val loss is that same number.

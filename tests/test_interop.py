@@ -34,9 +34,9 @@ from qkv import DecoderLM, DecoderLMConfig, EncoderModel, QkvError, Transformer,
 from qkv.cli import main as cli_main
 from qkv.generation import Sampling, generate
 from qkv.interop import FAMILIES, family_of, from_hf, read_checkpoint, save_hf, tokenizer_from_hf
-from qkv.interop.gpt2_tokenizer import gpt2_tokenizer
 from qkv.interop.qkv_dir import load_qkv
 from qkv.tasks import load as load_run
+from qkv.tokenizers.gpt2 import gpt2_tokenizer
 
 TOL = 1e-4
 VOCAB = 97

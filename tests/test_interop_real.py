@@ -22,12 +22,12 @@ from transformers import BertModel, LlamaConfig, LlamaForCausalLM
 
 from qkv import DecoderLM, EncoderModel, quantize_int8
 from qkv.data.corpus import load_shakespeare
+from qkv.extras import package_file
 from qkv.generation import Sampling, generate
 from qkv.interop import Checkpoint, from_hf, read_checkpoint, tokenizer_from_hf
-from qkv.interop.gpt2_tokenizer import MERGES_SHA256, VOCAB_SHA256, gpt2_tokenizer
-from qkv.interop.hf_io import package_file
 from qkv.io.files import file_sha256
 from qkv.quantization import Int8Linear
+from qkv.tokenizers.gpt2 import MERGES_SHA256, VOCAB_SHA256, gpt2_tokenizer
 
 PROMPT = "The capital of France is"
 

@@ -3,7 +3,9 @@
 The recipe "tiny-2026-11" is written out here in full, not taken from any default (defaults change with
 the recipes they serve): one-layer models, the first 20,000 characters of the embedded Shakespeare and the
 first 300 embedded Ding pairs, 6 steps, one thread. Its losses were recorded when the loop was rebuilt
-around tasks; at that commit the default runs reproduced the previous loops' weights bit for bit.
+around tasks; at that commit the default runs reproduced the previous loops' weights bit for bit. The masked
+LM's validation losses moved once, when text files began to be read through `qkv prepare`: a BPE's
+end-of-text token now follows the document, so its validation split ends with one more token.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ RECIPE: dict[str, dict[str, Any]] = {  # "tiny-2026-11"
 # (step, train loss, val loss) at each evaluation of the recipe.
 PINNED: dict[str, list[tuple[int, float, float]]] = {
     "lm": [(3, 4.083215, 3.955195), (6, 3.889835, 3.853411)],
-    "mlm": [(3, 5.684248, 5.570070), (6, 5.544160, 5.485659)],
+    "mlm": [(3, 5.684248, 5.571249), (6, 5.544160, 5.487862)],
     "translate": [(3, 5.680507, 5.393814), (6, 5.396280, 5.248894)],
     "copy": [(3, 3.845117, 3.183314), (6, 3.018368, 2.860922)],
     "reverse": [(3, 3.741075, 3.113053), (6, 3.072047, 2.808572)],

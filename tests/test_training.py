@@ -24,13 +24,15 @@ import pytest
 import safetensors.torch
 import torch
 import torch.nn.functional as F
-from helpers import one_thread
+from helpers import one_thread, shakespeare_documents, write_jsonl
 from safetensors import safe_open
 
 from qkv.attention import new_cache
 from qkv.config import DecoderLMConfig
-from qkv.data import eval_windows, load_shakespeare
-from qkv.data.text import prepare_text_data
+from qkv.data import eval_windows, load_shakespeare, sources
+from qkv.data.batches import eval_batch
+from qkv.data.cache import open_text
+from qkv.data.prepare import PrepareOptions, Split, TokenizerRecipe, prepare
 from qkv.errors import QkvError
 from qkv.generation import Sampling, generate, stream
 from qkv.io import files
@@ -94,20 +96,34 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A data directory of 120 documents (char tokens, 1 in 10 held out) in training shards of ~20,000 tokens."""
+    root = tmp_path_factory.mktemp("shards")
+    corpus = write_jsonl(root / "docs.jsonl", shakespeare_documents())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sources, "BLOCK_BYTES", 1 << 14)
+        options = PrepareOptions(split=Split(0.1), shard_tokens=20_000, workers=0)
+        meta = prepare([str(corpus)], root / "data", TokenizerRecipe("char"), "char", options, verbose=False)
+    assert sum(f["split"] == "train" for f in meta["files"]) >= 5
+    return root / "data"
+
+
 class _References:
-    """Uninterrupted in-process runs, one per max_steps, trained on first use."""
+    """Uninterrupted in-process runs, one per data and max_steps, trained on first use."""
 
     def __init__(self, root: Path, corpus: Path) -> None:
         self.root, self.corpus, self.runs = root, corpus, {}  # type: ignore[var-annotated]
 
-    def __call__(self, max_steps: int) -> Path:
-        if max_steps not in self.runs:
-            out = self.root / f"ref-{max_steps}"
+    def __call__(self, max_steps: int, data: Path | None = None) -> Path:
+        data = data or self.corpus
+        if (data, max_steps) not in self.runs:
+            out = self.root / f"ref-{data.name}-{max_steps}"
             with one_thread():
-                result = train(_tiny_config(self.corpus, out, max_steps), verbose=False)
+                result = train(_tiny_config(data, out, max_steps), verbose=False)
             assert result.step == max_steps and not result.interrupted
-            self.runs[max_steps] = out
-        return self.runs[max_steps]
+            self.runs[data, max_steps] = out
+        return self.runs[data, max_steps]
 
 
 @pytest.fixture(scope="module")
@@ -143,10 +159,13 @@ def _killed_run(corpus: Path, out: Path, max_steps: int) -> int | None:
     return None  # finished before we saw a step-10 checkpoint: the caller retries with a longer run
 
 
-def test_sigkill_then_resume_reproduces_the_uninterrupted_metrics(
-    tmp_path: Path, corpus: Path, reference: _References
+@pytest.mark.parametrize("data", ["corpus", "shards"])
+def test_sigkill_then_resume_reproduces_the_uninterrupted_run(
+    tmp_path: Path, data: str, reference: _References, request: pytest.FixtureRequest
 ) -> None:
-    """SIGKILL mid-run + `--resume` gives bit-identical metrics.jsonl rows (dropout 0.1, so RNG restore matters)."""
+    """SIGKILL mid-run + `--resume` gives bit-identical metrics.jsonl rows, weights, optimizer state and generator
+    state (dropout 0.1, so RNG restore matters), on a text file and on a data directory of several shards."""
+    corpus = request.getfixturevalue(data)
     for max_steps in (40, 80, 160):  # a longer run if the machine was fast enough to finish first
         killed = tmp_path / f"killed-{max_steps}"
         step_at_kill = _killed_run(corpus, killed, max_steps)
@@ -163,9 +182,12 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_metrics(
     logged_steps = [int(s) for s in re.findall(r"^step +(\d+) ", resumed.stderr, flags=re.M)]
     assert logged_steps == list(range(step_at_kill + 5, max_steps + 1, 5))  # continued, did not restart
 
-    expected = _rows(reference(max_steps))
+    expected = _rows(reference(max_steps, corpus))
     assert [r["step"] for r in expected] == list(range(5, max_steps + 1, 5))
     assert _rows(killed) == expected  # exact float equality, row by row
+    for name in ("last.safetensors", "last_optim.safetensors"):  # weights; optimizer, RNG and data generator states
+        got, want = files.load_safetensors(killed / name), files.load_safetensors(reference(max_steps, corpus) / name)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got), name
     # Training time continues across the resume (it does not restart at 0) and never includes evaluations.
     raw = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
     assert all(b["train_s"] > a["train_s"] for a, b in itertools.pairwise(raw))
@@ -194,6 +216,26 @@ def test_python_api_resume_keeps_the_stored_schedule(tmp_path: Path, reference: 
         result = train(out_dir=str(run), resume=True, device="cpu", verbose=False)
     assert result.step == 40  # not stretched to LMConfig's default of 600 steps
     assert json.loads((run / "config.json").read_text())["training"]["max_steps"] == 40
+
+
+def test_eval_of_a_run_on_shards_reads_only_the_validation_shards(
+    tmp_path: Path, shards: Path, reference: _References
+) -> None:
+    """`qkv eval RUN` gives training's last evaluation to 1e-6 with the training shards gone (it opens none)."""
+    data = tmp_path / "data"
+    shutil.copytree(shards, data)
+    run = tmp_path / "run"
+    with one_thread():
+        train(_tiny_config(data, run, 10, final_eval_tokens=3000), verbose=False)
+    for shard in data.glob("train_*.bin"):
+        shard.rename(shard.with_suffix(".moved"))
+    done = _qkv("eval", str(run), "--checkpoint", "last", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    printed = float(re.match(r"val loss (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["full_eval"] and abs(printed - last["val_loss"]) < 1e-4  # printed with 4 decimals
+    loaded = load(run, "last")
+    assert abs(loaded.val_loss() - last["val_loss"]) < 1e-6
 
 
 # --- 2. checkpoints are never half-written ----------------------------------------------------------------
@@ -310,7 +352,7 @@ def test_evaluate_loss_equals_a_manual_loop_over_positions() -> None:
     assert abs(manual - sum(losses[1:]) / 28) > 1e-3  # the tolerance above is far below one position's weight
     # A larger partial budget reads stretches spread over the split (its first and last 9 tokens here).
     spread = torch.cat([data[:9], data[21:]])
-    assert [x.tolist() for x, _ in eval_batches(data, block, 4, max_tokens=18)] == [
+    assert [eval_batch(data, *b)[0].tolist() for b in eval_batches(data, block, 4, max_tokens=18)] == [
         spread[:8][None].tolist(),
         spread[9:17][None].tolist(),
     ]
@@ -457,11 +499,13 @@ def test_ctrl_c_saves_a_resumable_checkpoint_and_exits_130(tmp_path: Path, corpu
     assert _state_step(out) == step + 3
 
 
-def test_prepare_text_data_splits_by_characters(corpus: Path) -> None:
+def test_a_text_file_splits_by_characters(corpus: Path) -> None:
     """90 % / 10 % of the characters; the char vocabulary covers both splits."""
-    data = prepare_text_data(str(corpus))
-    assert (len(data.train_ids), len(data.val_ids)) == (18_000, 2_000)
-    assert data.tokenizer.decode(data.val_ids.tolist()) == corpus.read_text()[18_000:]
+    data = open_text(str(corpus))
+    train, val = data.split("train"), data.split("val")
+    assert (len(train), len(val)) == (18_000, 2_000)
+    assert data.tokenizer.decode(val[0:2000].tolist()) == corpus.read_text()[18_000:]
+    assert data.tokenizer.decode(train[0:18_000].tolist()) == corpus.read_text()[:18_000]
 
 
 # --- torch.compile ------------------------------------------------------------------------------------

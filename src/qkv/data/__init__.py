@@ -1,7 +1,43 @@
-"""Training data: the embedded Shakespeare corpus, text files, splits and batches."""
+"""Training data: corpora on disk tokenized into shards (`qkv prepare`), read back as windows for training.
 
-from qkv.data.batches import eval_windows, random_batch
-from qkv.data.corpus import SHAKESPEARE_SHA256, load_shakespeare, read_text_file, train_val_split
+    sources.py   the inputs: text, .gz, JSON Lines and Parquet files, read as a stream of chunks
+    shards.py    llm.c's .bin token shards: the header, a writer that cannot leave half a shard, the reader
+    prepare.py   `qkv prepare`: the parallel, resumable pipeline that writes a data directory
+    tokens.py    a data directory opened for training: memory-mapped splits, random windows, evaluation windows
+    cache.py     a text file (or the embedded Shakespeare) prepared once into a cache keyed by its content
+    corpus.py    the embedded Shakespeare corpus
+    batches.py   windows of a token sequence: random ones for training, consecutive ones for evaluation
+
+`import qkv.data` is light (names load on first use): `qkv prepare`'s workers never import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "SHAKESPEARE_SHA256": "qkv.data.corpus",
+    "load_shakespeare": "qkv.data.corpus",
+    "read_text_file": "qkv.data.corpus",
+    "train_val_split": "qkv.data.corpus",
+    "eval_windows": "qkv.data.batches",
+    "random_batch": "qkv.data.batches",
+}
+
+if TYPE_CHECKING:
+    from qkv.data.batches import eval_windows, random_batch
+    from qkv.data.corpus import SHAKESPEARE_SHA256, load_shakespeare, read_text_file, train_val_split
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name from its module the first time it is used."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'qkv.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "SHAKESPEARE_SHA256",

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any, TypeAlias
 
 import torch
 
 from qkv.errors import QkvError
 
+Tokens: TypeAlias = Any  # a 1-D tensor of token ids, or a qkv.data.tokens.TokenSplit (sliced the same way)
 
-def _check_sizes(data: torch.Tensor, block_size: int, batch_size: int) -> None:
+
+def _check_sizes(data: Tokens, block_size: int, batch_size: int) -> None:
     """Validate the shared arguments of the batch functions."""
     if data.dim() != 1:
         raise QkvError(f"expected a 1-D tensor of token ids, got shape {tuple(data.shape)}")
@@ -19,7 +22,7 @@ def _check_sizes(data: torch.Tensor, block_size: int, batch_size: int) -> None:
         raise QkvError(f"batch size must be at least 1, got {batch_size}")
 
 
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Move a CPU batch to `device`, asynchronously when it is a GPU."""
     if device.type == "cuda" and t.device.type == "cpu":
         # Pinned (page-locked) memory lets the host-to-GPU copy overlap with compute.
@@ -50,7 +53,7 @@ def windows_at(
     x = windows[:, :-1].contiguous()
     y = windows[:, 1:].contiguous()
     device = torch.device(device)
-    return _to_device(x, device), _to_device(y, device)
+    return to_device(x, device), to_device(y, device)
 
 
 def random_batch(
@@ -65,7 +68,7 @@ def random_batch(
     return windows_at(data, random_starts(len(data), block_size, batch_size, generator), block_size, device)
 
 
-def eval_windows(data: torch.Tensor, block_size: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def eval_windows(data: Tokens, block_size: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield (x, y) batches of consecutive windows in which every target position is counted once.
 
     Protocol ("every position counted once"): with T = block_size, window i has inputs
@@ -79,27 +82,30 @@ def eval_windows(data: torch.Tensor, block_size: int, batch_size: int) -> Iterat
     batches and divide by len(data) - 1; averaging per-batch means would over-weight the last,
     shorter batches. Windows start fresh every T tokens, so the first positions of each window
     see little context: the result is comparable between models of equal block size.
+
+    `data` is a 1-D tensor or a memory-mapped split (qkv.data.tokens.TokenSplit); each batch is read
+    when it is reached, so a split larger than memory is evaluated in constant memory.
     """
     _check_sizes(data, block_size, batch_size)
     n = len(data)
     if n < 2:
         raise QkvError(f"need at least 2 tokens to evaluate (one input, one target), got {n}")
     # Validation happens above, eagerly; the generator below only runs when iterated.
-    return _eval_windows(data, block_size, batch_size)
+    return (eval_batch(data, *batch) for batch in eval_plan(n, block_size, batch_size))
 
 
-def _eval_windows(data: torch.Tensor, block_size: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The generator behind eval_windows (arguments already validated)."""
-    n_targets = len(data) - 1
-    n_full, remainder = divmod(n_targets, block_size)
-    full_len = n_full * block_size
-    # Reshaping the contiguous slices gives every full window at once, with no per-row loop.
-    xs = data[:full_len].reshape(n_full, block_size)
-    ys = data[1 : full_len + 1].reshape(n_full, block_size)
-    for start in range(0, n_full, batch_size):
-        rows = slice(start, start + batch_size)
-        yield xs[rows].to(torch.int64), ys[rows].to(torch.int64)
+def eval_plan(n_tokens: int, block_size: int, batch_size: int) -> list[tuple[int, int, int]]:
+    """eval_windows' batches over n_tokens tokens, as (first token, rows, window length) each."""
+    n_full, remainder = divmod(n_tokens - 1, block_size)
+    plan = [(start * block_size, min(batch_size, n_full - start), block_size) for start in range(0, n_full, batch_size)]
     if remainder:
-        x_last = data[full_len : full_len + remainder]
-        y_last = data[full_len + 1 : full_len + remainder + 1]
-        yield x_last.to(torch.int64).unsqueeze(0), y_last.to(torch.int64).unsqueeze(0)
+        plan.append((n_full * block_size, 1, remainder))
+    return plan
+
+
+def eval_batch(data: Tokens, start: int, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch of the plan: rows consecutive windows of `width` tokens from `start`, x (rows, width) and y."""
+    tokens = data[start : start + rows * width + 1]
+    x = tokens[:-1].reshape(rows, width).to(torch.int64)
+    y = tokens[1:].reshape(rows, width).to(torch.int64)
+    return x, y

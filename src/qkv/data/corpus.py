@@ -7,10 +7,12 @@ import gzip
 import hashlib
 from importlib import resources
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from qkv.errors import QkvError
+
+if TYPE_CHECKING:
+    import torch
 
 # sha256 of the uncompressed corpus; see SHAKESPEARE.md for how it is built from a pinned source.
 SHAKESPEARE_SHA256 = "1412cb28b622df1847142028209c72346b548e99f52e84290bc0938fd9ff774c"

@@ -27,7 +27,7 @@ from qkv.interop.hf_io import (
 from qkv.interop.marian_tokenizer import MarianTokenizer, is_marian_tokenizer_dir
 from qkv.io.files import atomic_write_json, load_json
 from qkv.models import DecoderLM, QkvModel, Transformer, build_model, model_type_of
-from qkv.tokenizers import ByteBPETokenizer
+from qkv.tokenizers import ByteBPETokenizer, Tokenizer
 
 FAMILIES: dict[str, Family] = {}  # config.json model_type → family
 
@@ -68,7 +68,7 @@ def tokenizer_from_hf(source: str | Path | Checkpoint) -> ByteBPETokenizer | Non
     Its eos is config.json's eos_token_id. Passing a .gguf path reads (and dequantises) the whole file:
     pass the Checkpoint from read_checkpoint when the model is loaded too.
     """
-    from qkv.interop.gpt2_tokenizer import read_vocab_files
+    from qkv.tokenizers.gpt2 import read_vocab_files
 
     if not isinstance(source, Checkpoint) and Path(source).suffix.lower() == ".gguf":
         source = read_checkpoint(source)
@@ -89,6 +89,26 @@ def tokenizer_from_hf(source: str | Path | Checkpoint) -> ByteBPETokenizer | Non
     eos_id = config.get("eos_token_id")
     eos = tok.id_to_token(eos_id) if isinstance(eos_id, int) else None
     return ByteBPETokenizer(tok, eos) if eos else ByteBPETokenizer(tok)
+
+
+def tokenizer_of(path: str | Path) -> Tokenizer:
+    """The tokenizer of a checkpoint: a qkv run or `qkv convert` directory, a Hugging Face directory or a .gguf."""
+    from qkv.interop.marian_tokenizer import read_tokenizer
+    from qkv.interop.qkv_dir import is_qkv_dir
+
+    path = Path(path)
+    if not path.exists():
+        raise QkvError(f"checkpoint not found: {path}")
+    tokenizer: Tokenizer | None = None
+    if path.is_dir() and is_qkv_dir(path):
+        tokenizer = read_tokenizer(path)
+    elif path.is_dir() or path.suffix.lower() == ".gguf":
+        tokenizer = read_marian_tokenizer(path) if path.is_dir() else None
+        tokenizer = tokenizer or tokenizer_from_hf(path)
+    if tokenizer is None:
+        raise QkvError(f"{path} holds no tokenizer qkv reads (a qkv run, a Hugging Face directory with tokenizer.json "
+                       "or vocab.json + merges.txt, or a .gguf file)")  # fmt: skip
+    return tokenizer
 
 
 def read_marian_tokenizer(directory: str | Path) -> MarianTokenizer | None:
@@ -160,4 +180,5 @@ __all__ = [
     "register_family",
     "save_hf",
     "tokenizer_from_hf",
+    "tokenizer_of",
 ]

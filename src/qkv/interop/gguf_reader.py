@@ -119,7 +119,7 @@ def _config(reader: Any, has_output: bool, n_vocab: int) -> dict[str, Any]:
 
 def _tokenizer(reader: Any) -> Any:
     """The HF `tokenizers.Tokenizer` described by tokenizer.ggml.*, or None if it is not a byte-level BPE."""
-    from qkv.interop.gpt2_tokenizer import byte_level_bpe
+    from qkv.tokenizers.gpt2 import byte_level_bpe
 
     model, pre = _field(reader, "tokenizer.ggml.model"), _field(reader, "tokenizer.ggml.pre", "default")
     if model != "gpt2" or pre not in ("default", "gpt2", *_DIGIT_SPLIT_PRE):

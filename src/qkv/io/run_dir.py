@@ -1,6 +1,6 @@
 """A run directory: what a training run leaves behind, and reading it back (older layouts included).
 
-    config.json              task, model config, run config, tokenizer summary (JSON)
+    config.json              task, model config, run config, tokenizer summary, the data directory read (JSON)
     model.safetensors        the best weights (by the task's own measure: val loss, BLEU, …)
     last.safetensors         the latest weights  ┐
     last_optim.safetensors   optimiser + RNG     ├ everything `--resume` needs (qkv.training.checkpoint)
@@ -43,13 +43,13 @@ _RENAMED = {("lm", "bpe_vocab_size"): "vocab_size", ("translate", "batch_tokens"
 
 
 def write_run_config(directory: Path, task: str, model_type: str, model: dict[str, Any], training: dict[str, Any],
-                     tokenizer: dict[str, Any] | None) -> None:  # fmt: skip
-    """Write config.json: the task, the model's config, the run's config and a tokenizer summary."""
-    atomic_write_json(
-        Path(directory) / CONFIG_FILE,
-        {"format": FORMAT, "task": task, "model_type": model_type, "model": model, "training": training,
-         "tokenizer": tokenizer},
-    )  # fmt: skip
+                     tokenizer: dict[str, Any] | None, data: dict[str, Any] | None = None) -> None:  # fmt: skip
+    """Write config.json: the task, the model's config, the run's config, a tokenizer summary and the data read."""
+    config = {"format": FORMAT, "task": task, "model_type": model_type, "model": model, "training": training,
+              "tokenizer": tokenizer}  # fmt: skip
+    if data is not None:  # where the tokens came from: a data directory (qkv.data.tokens) and its tokenizer
+        config["data"] = data
+    atomic_write_json(Path(directory) / CONFIG_FILE, config)
 
 
 def read_run_config(directory: Path) -> dict[str, Any]:

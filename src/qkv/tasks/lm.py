@@ -1,10 +1,11 @@
 """The language-model task (`qkv train`, the default): a decoder-only Transformer predicts the next token.
 
-Data: the embedded Shakespeare corpus or a UTF-8 text file, split by characters (first 90 % train,
-last 10 % validation), character- or BPE-tokenised. Batches are random windows of block_size tokens;
-the loss is the mean next-token cross-entropy; the evaluation is the whole validation split cut into
-consecutive windows, every position predicted once (qkv.training.evaluate), which is what `qkv eval`
-reports too.
+Data: a data directory written by `qkv prepare` (memory-mapped shards, any size), or a text file, or the
+embedded Shakespeare corpus: a file is prepared into the cache on first use (qkv.data.cache), split by
+characters (first 90 % train, last 10 % validation), character-, BPE- or GPT-2-tokenised. Batches are
+random windows of block_size tokens; the loss is the mean next-token cross-entropy; the evaluation is the
+validation split cut into consecutive windows, every position predicted once (qkv.training.evaluate),
+which is what `qkv eval` reports too.
 """
 
 from __future__ import annotations
@@ -19,17 +20,19 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from qkv.config import DecoderLMConfig
-from qkv.data.batches import random_starts, windows_at
-from qkv.data.text import TextData, prepare_text_data
+from qkv.data.batches import to_device
+from qkv.data.prepare import TokenizerRecipe
+from qkv.data.tokens import TokenData, TokenSplit
 from qkv.errors import QkvError
 from qkv.generation import Sampling, stream
 from qkv.models import DecoderLM
 from qkv.tasks.base import EvalOptions, LoadedRun
-from qkv.tasks.text import TextConfig, check_window_fits
-from qkv.tokenizers import load_tokenizer
+from qkv.tasks.text import TextConfig, check_window_fits, data_record, text_data
+from qkv.tokenizers import Tokenizer, load_tokenizer
 from qkv.training import Evaluation, RunConfig, Task, TrainResult, evaluate_loss, option, perplexity
 from qkv.training.config import OPTIMIZERS
-from qkv.training.distributed import sharded_eval_loss
+
+TOKENIZERS = ("char", "bpe", "gpt2")  # of a text file; a data directory has its own
 
 # The default recipe is a speedrun (benchmarks/SPEEDRUN.md): the fastest way found on a 2-core CPU to the
 # full-validation loss nanoGPT's CPU recipe ends at on the embedded Shakespeare (1.96): nanoGPT's width (128)
@@ -60,8 +63,9 @@ class LMConfig(TextConfig):
     newton_schulz_steps: ClassVar[int] = 4  # as good as 5 here, and 6 % faster a step (benchmarks/SPEEDRUN.md)
 
     model: dict[str, Any] = option(factory=dict, help="DecoderLMConfig fields over the recipe's", fixed=True)
-    tokenizer: str = option("char", "char, or bpe (byte-level BPE trained on the train split)", fixed=True,
-                            choices=("char", "bpe"))  # fmt: skip
+    tokenizer: str | None = option(None, "a text file's: char, bpe (a byte-level BPE learnt from its training split) "
+                                   "or gpt2; none: char (a data directory has its own)", fixed=True,
+                                   choices=TOKENIZERS)  # fmt: skip
     vocab_size: int = option(1024, "the BPE vocabulary's size (bpe only)", fixed=True)
     block_size: int = option(128, "context length in tokens", fixed=True)
     max_steps: int = option(350, "optimiser steps (the schedule's length)")
@@ -69,15 +73,19 @@ class LMConfig(TextConfig):
     optimizer: str = option("muon", "adamw, or muon: Muon for the blocks' matrices, AdamW for the rest", fixed=True,
                             choices=OPTIMIZERS)  # fmt: skip
     eval_interval: int = option(100, "steps between evaluations and checkpoints")
-    eval_tokens: int | None = option(8192, "validation tokens read by periodic evaluations (none: all; the "
-                                     "last evaluation reads all)")  # fmt: skip
+    eval_tokens: int | None = option(8192, "validation tokens read by periodic evaluations, spread over the split "
+                                     "(none: all)")  # fmt: skip
+    final_eval_tokens: int | None = option(None, "validation tokens read by the last evaluation and `qkv eval` "
+                                           "(none: all)")  # fmt: skip
     sample_tokens: int = option(400, "tokens sampled when training ends (0 = none)")
 
     def __post_init__(self) -> None:
         """The shared checks, then the language model's own."""
         super().__post_init__()
-        if self.eval_tokens is not None and self.eval_tokens < 2:
-            raise QkvError(f"eval-tokens must be ≥ 2, got {self.eval_tokens}")
+        for name in ("eval_tokens", "final_eval_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 2:
+                raise QkvError(f"{name.replace('_', '-')} must be ≥ 2, got {value}")
         if self.sample_tokens < 0:
             raise QkvError(f"sample-tokens must be ≥ 0, got {self.sample_tokens}")
 
@@ -108,22 +116,23 @@ class LMTask(Task):
     def __init__(self, cfg: LMConfig, stored_model: dict[str, Any] | None = None) -> None:
         super().__init__(cfg, stored_model)
         self.cfg: LMConfig = cfg
-        self.data: TextData | None = None
+        self.data: TokenData | None = None
+        self.train: TokenSplit | None = None
 
     @classmethod
     def run_name(cls, cfg: RunConfig) -> str:
-        """<data file name, or shakespeare>-<tokenizer>."""
+        """<data file or directory name, or shakespeare>-<tokenizer>."""
         assert isinstance(cfg, LMConfig)
-        return f"{cfg.text_name()}-{cfg.tokenizer}"
+        return f"{cfg.text_name()}-{'data' if cfg.data_dir else cfg.tokenizer or 'char'}"
 
     def setup(self, run_dir: Path, resume: bool) -> None:
-        """Tokenize the text (with the run's own tokenizer on resume) and check the context fits."""
-        cfg = self.cfg
+        """Open the data (a text file is prepared with the run's own tokenizer on resume); check a window fits."""
         stored = load_tokenizer(run_dir) if resume else None
-        size = cfg.vocab_size if cfg.tokenizer == "bpe" else None
-        self.data = prepare_text_data(cfg.data, cfg.tokenizer, size, stored)
+        self.data = text_data(self.cfg, run_dir if resume else None, stored, new_tokenizer(self.cfg),
+                              self.cfg.tokenizer or "char")  # fmt: skip
         self.tokenizer = self.data.tokenizer
-        check_window_fits(cfg.block_size, self.data.train_ids)
+        self.train = self.data.split("train")
+        check_window_fits(self.cfg.block_size, self.train)
 
     def new_model_config(self) -> DecoderLMConfig:
         """A DecoderLM over the tokenizer's vocabulary with a context of block_size tokens."""
@@ -138,18 +147,23 @@ class LMTask(Task):
     def describe(self) -> str:
         """Token counts and the vocabulary."""
         assert self.data is not None
-        d = self.data
-        return f"{len(d.train_ids):,} train / {len(d.val_ids):,} val tokens, vocab {d.tokenizer.vocab_size}"
+        return self.data.describe()
+
+    def data_summary(self) -> dict[str, Any] | None:
+        """The data directory read, and its tokenizer."""
+        assert self.data is not None
+        return data_record(self.cfg, self.data)
 
     def draw(self, generator: torch.Generator, budget: int, parts: int) -> Tensor:
-        """`budget` random window starts in the training split."""
-        assert self.data is not None
-        return random_starts(len(self.data.train_ids), self.cfg.block_size, budget, generator)
+        """`budget` random windows of the training split (numbered across its shards)."""
+        assert self.train is not None
+        return torch.randint(self.train.window_count(self.cfg.block_size), (budget,), generator=generator)
 
     def collate(self, examples: Sequence[Any], device: torch.device) -> LMBatch:
-        """The windows at these starts."""
-        assert self.data is not None and isinstance(examples, Tensor)
-        return LMBatch(*windows_at(self.data.train_ids, examples, self.cfg.block_size, device))
+        """The windows drawn."""
+        assert self.train is not None and isinstance(examples, Tensor)
+        x, y = self.train.windows(examples, self.cfg.block_size)
+        return LMBatch(to_device(x, device), to_device(y, device))
 
     def loss(self, model: Callable[..., Any], batch: LMBatch) -> Tensor:
         """Mean next-token cross-entropy (computed in float32 whatever the autocast dtype)."""
@@ -159,16 +173,16 @@ class LMTask(Task):
     def evaluate(self, ev: Evaluation) -> dict[str, float]:
         """The validation loss by `qkv eval`'s protocol (periodically over eval_tokens tokens, if set)."""
         assert self.data is not None
-        max_tokens = None if ev.full else self.cfg.eval_tokens
+        max_tokens = self.cfg.final_eval_tokens if ev.full else self.cfg.eval_tokens
         with ev.autocast():
-            loss = sharded_eval_loss(ev.forward, self.data.val_ids, self.cfg.block_size, self.cfg.batch_size,
-                                     ev.ctx, max_tokens)  # fmt: skip
+            loss = evaluate_loss(ev.forward, self.data.split("val"), self.cfg.block_size, self.cfg.batch_size,
+                                 ev.ctx.device, max_tokens, ev.ctx)  # fmt: skip
         return {"val_loss": loss}
 
     @property
     def partial_evaluation(self) -> bool:
-        """Periodic evaluations read only eval_tokens tokens when that is set."""
-        return self.cfg.eval_tokens is not None
+        """Periodic evaluations read fewer tokens than the last one."""
+        return self.cfg.eval_tokens != self.cfg.final_eval_tokens
 
     def summary(self, result: TrainResult) -> str:
         """The final validation loss and perplexity, a sample of the best weights, and what to try next."""
@@ -204,16 +218,34 @@ class LMRun(LoadedRun):
         eos = tokenizer.eos_id
         return tokenizer.decode(tokens[: tokens.index(eos)] if eos in tokens else tokens)
 
-    def validation_data(self) -> TextData:
-        """The run's validation split, tokenised as in training."""
+    def validation_data(self) -> TokenSplit:
+        """The run's validation split, as training read it (no training shard is opened, nothing is tokenized
+        when the data directory is still there)."""
         cfg = self.config
-        return prepare_text_data(cfg.data, cfg.tokenizer, cfg.vocab_size, self.require_tokenizer())
+        tokenizer = self.require_tokenizer()
+        return text_data(cfg, self.directory, tokenizer, tokenizer, cfg.tokenizer or "char").split("val")
 
     def evaluate(self, options: EvalOptions) -> list[str]:
-        """Loss and perplexity over the whole validation split, in windows of the training block size."""
+        """Loss and perplexity over the validation split (final_eval_tokens of it, if set), in windows of the
+        training block size: the number training's last evaluation gave."""
         options.refuse_beam_options(self.task)
-        data = self.validation_data()
-        block_size = self.config.block_size  # the windows training evaluated on, whatever the model allows
-        loss = evaluate_loss(self.model, data.val_ids, block_size, options.batch_size, self.device)
-        return [f"val loss {loss:.4f}  perplexity {perplexity(loss):.3f}  ({len(data.val_ids) - 1:,} positions, "
-                f"block size {block_size}, {self.checkpoint} weights)"]  # fmt: skip
+        cfg, val = self.config, self.validation_data()
+        loss = self.val_loss(options.batch_size, val)
+        read = len(val) if cfg.final_eval_tokens is None else min(len(val), cfg.final_eval_tokens)
+        return [f"val loss {loss:.4f}  perplexity {perplexity(loss):.3f}  ({read - 1:,} positions, "
+                f"block size {cfg.block_size}, {self.checkpoint} weights)"]  # fmt: skip
+
+    def val_loss(self, batch_size: int = 32, val: TokenSplit | None = None) -> float:
+        """The validation loss training's last evaluation measures: final_eval_tokens of the split, or all of it."""
+        cfg = self.config
+        val = self.validation_data() if val is None else val
+        return evaluate_loss(self.model, val, cfg.block_size, batch_size, self.device, cfg.final_eval_tokens)
+
+
+def new_tokenizer(cfg: LMConfig) -> Tokenizer | TokenizerRecipe:
+    """The tokenizer a new run on a text file gets: a char or BPE vocabulary of the text, or GPT-2's."""
+    if cfg.tokenizer == "gpt2":
+        from qkv.tokenizers.gpt2 import gpt2_tokenizer
+
+        return gpt2_tokenizer()
+    return TokenizerRecipe(cfg.tokenizer or "char", cfg.vocab_size)

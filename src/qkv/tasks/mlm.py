@@ -22,12 +22,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from qkv.config import EncoderConfig
-from qkv.data.batches import random_starts, windows_at
-from qkv.data.text import TextData, prepare_text_data
+from qkv.data.prepare import TokenizerRecipe
+from qkv.data.tokens import TokenData, TokenSplit
 from qkv.errors import QkvError
 from qkv.models import EncoderModel
 from qkv.tasks.base import EvalOptions, LoadedRun
-from qkv.tasks.text import TextConfig, check_window_fits
+from qkv.tasks.text import TextConfig, check_window_fits, data_record, text_data
 from qkv.tokenizers import ENDOFTEXT, Tokenizer, load_tokenizer
 from qkv.training import Evaluation, RunConfig, Task, TrainResult, option
 
@@ -143,7 +143,8 @@ class MLMTask(Task):
     def __init__(self, cfg: MLMConfig, stored_model: dict[str, Any] | None = None) -> None:
         super().__init__(cfg, stored_model)
         self.cfg: MLMConfig = cfg
-        self.data: TextData | None = None
+        self.data: TokenData | None = None
+        self.train: TokenSplit | None = None
         self.mask_id = 1
         self._val_batches: list[MaskedBatch] = []
 
@@ -154,12 +155,14 @@ class MLMTask(Task):
         return f"{cfg.text_name()}-mlm"
 
     def setup(self, run_dir: Path, resume: bool) -> None:
-        """A BPE vocabulary with <mask> (trained on the train split, or the run's), the token ids of both splits."""
+        """The data: a BPE vocabulary with <mask> (learnt from a text file's training split, or the run's or the
+        data directory's); check a window fits."""
         stored = load_tokenizer(run_dir) if resume else None
-        self.data = prepare_text_data(self.cfg.data, "bpe", self.cfg.vocab_size, stored, SPECIAL_TOKENS)
+        self.data = text_data(self.cfg, run_dir if resume else None, stored, new_tokenizer(self.cfg), "bpe")
         self.tokenizer = self.data.tokenizer
         self.mask_id = mask_id_of(self.tokenizer)
-        check_window_fits(self.cfg.block_size, self.data.train_ids)
+        self.train = self.data.split("train")
+        check_window_fits(self.cfg.block_size, self.train)
 
     def new_model_config(self) -> EncoderConfig:
         """An encoder with the masked-LM head over the tokenizer's vocabulary."""
@@ -169,25 +172,28 @@ class MLMTask(Task):
         return model_cfg
 
     def describe(self) -> str:
-        """Token counts, the vocabulary, and the accuracy of always guessing the commonest token."""
+        """Token counts, the vocabulary, and how many positions of a window are predicted."""
         assert self.data is not None
-        d = self.data
-        return (f"{len(d.train_ids):,} train / {len(d.val_ids):,} val tokens, vocab {d.tokenizer.vocab_size}, "
-                f"{self.cfg.n_selected(self.cfg.block_size)} predicted per window")  # fmt: skip
+        return f"{self.data.describe()}, {self.cfg.n_selected(self.cfg.block_size)} predicted per window"
+
+    def data_summary(self) -> dict[str, Any] | None:
+        """The data directory read, and its tokenizer."""
+        assert self.data is not None
+        return data_record(self.cfg, self.data)
 
     def draw(self, generator: torch.Generator, budget: int, parts: int) -> MaskedDraw:
         """`budget` random windows and the uniform draws that mask them."""
-        assert self.data is not None and self.tokenizer is not None
+        assert self.train is not None and self.tokenizer is not None
         t = self.cfg.block_size
-        starts = random_starts(len(self.data.train_ids), t, budget, generator)
+        starts = torch.randint(self.train.window_count(t), (budget,), generator=generator)
         order, choice = torch.rand(budget, t, generator=generator), torch.rand(budget, t, generator=generator)
         random_ids = torch.randint(len(SPECIAL_TOKENS), self.tokenizer.vocab_size, (budget, t), generator=generator)
         return MaskedDraw(starts, order, choice, random_ids)
 
     def collate(self, examples: Sequence[Any], device: torch.device) -> MaskedBatch:
         """The windows, masked."""
-        assert self.data is not None and isinstance(examples, MaskedDraw)
-        ids, _ = windows_at(self.data.train_ids, examples.starts, self.cfg.block_size)
+        assert self.train is not None and isinstance(examples, MaskedDraw)
+        ids, _ = self.train.windows(examples.starts, self.cfg.block_size)
         n = self.cfg.n_selected(self.cfg.block_size)
         masked = mask_tokens(ids, examples.order, examples.choice, examples.random_ids, n, self.mask_id)
         return MaskedBatch(*masked).to(device)
@@ -208,7 +214,8 @@ class MLMTask(Task):
         """The validation split in consecutive windows, each masked by BERT's rule from a fixed seed (made once)."""
         assert self.data is not None
         if not self._val_batches or self._val_batches[0].inputs.device != device:
-            self._val_batches = masked_windows(self.data.val_ids, self.cfg, self.data.tokenizer, self.cfg.batch_size,
+            val = self.data.split("val")
+            self._val_batches = masked_windows(val[0 : len(val)], self.cfg, self.data.tokenizer, self.cfg.batch_size,
                                                device)  # fmt: skip
         return self._val_batches
 
@@ -216,7 +223,7 @@ class MLMTask(Task):
         """The accuracy of always predicting the training split's commonest token, on the validation targets."""
         assert self.data is not None
         device = self._val_batches[0].inputs.device if self._val_batches else torch.device("cpu")
-        return baseline_accuracy(self.data.train_ids, self.validation_batches(device))
+        return baseline_accuracy(commonest_token(self.data), self.validation_batches(device))
 
     def summary(self, result: TrainResult) -> str:
         """Accuracy against the commonest-token baseline, a few restored tokens, and what to try next."""
@@ -235,8 +242,14 @@ def mask_id_of(tokenizer: Tokenizer) -> int:
     """The id of <mask>, or a one-line error for a tokenizer without one."""
     ids = [tokenizer.encode(MASK)] if tokenizer.kind == "bpe" else []
     if not ids or len(ids[0]) != 1:
-        raise QkvError(f"a masked-language-model run needs a BPE tokenizer with the special token {MASK}")
+        raise QkvError(f"a masked-language-model run needs a BPE tokenizer with the special token {MASK}: prepare the "
+                       f"data with `qkv prepare … --tokenizer bpe --special-tokens '{ENDOFTEXT},{MASK}'`")  # fmt: skip
     return ids[0][0]
+
+
+def new_tokenizer(cfg: MLMConfig) -> TokenizerRecipe:
+    """A new run's BPE, learnt from a text file's training split, with <mask> among its special tokens."""
+    return TokenizerRecipe("bpe", cfg.vocab_size, special_tokens=SPECIAL_TOKENS)
 
 
 def masked_windows(
@@ -272,9 +285,16 @@ def masked_scores(model: Callable[..., Any], batches: list[MaskedBatch]) -> tupl
     return total / count, correct / count, count
 
 
-def baseline_accuracy(train_ids: Tensor, batches: list[MaskedBatch]) -> float:
+def commonest_token(data: TokenData) -> int:
+    """The training split's commonest token (counted by `qkv prepare`; llm.c shards: counted here)."""
+    if "commonest_train_token" in data.meta:
+        return int(data.meta["commonest_train_token"])
+    train = data.split("train")
+    return int(torch.bincount(train[0 : len(train)]).argmax())
+
+
+def baseline_accuracy(commonest: int, batches: list[MaskedBatch]) -> float:
     """How often the training split's commonest token is the answer at the batches' predicted positions."""
-    commonest = int(torch.bincount(train_ids).argmax())
     labels = torch.cat([b.labels.flatten().cpu() for b in batches])
     return float((labels == commonest).float().mean())
 
@@ -307,10 +327,11 @@ class MLMRun(LoadedRun):
         options.refuse_beam_options(self.task)
         tokenizer = self.require_tokenizer()
         cfg = self.config
-        data = prepare_text_data(cfg.data, "bpe", cfg.vocab_size, tokenizer)
-        batches = masked_windows(data.val_ids, cfg, tokenizer, options.batch_size, self.device)
+        data = text_data(cfg, self.directory, tokenizer, tokenizer, "bpe")
+        val = data.split("val")
+        batches = masked_windows(val[0 : len(val)], cfg, tokenizer, options.batch_size, self.device)
         loss, accuracy, count = masked_scores(self.model, batches)
-        base = baseline_accuracy(data.train_ids, batches)
+        base = baseline_accuracy(commonest_token(data), batches)
         return [
             f"masked-token accuracy {accuracy:.4f}  loss {loss:.4f}  ({count:,} predicted positions, "
             f"{self.checkpoint} weights); always the commonest token: {base:.4f} ({accuracy / base:.1f}×)"

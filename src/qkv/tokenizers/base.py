@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a tensor is made: `qkv prepare`'s workers never load it
+    import torch
 
 # Both kinds save a tokenizer.json (ours for "char", Hugging Face's for "bpe"); the bpe kind also
 # writes CONFIG_FILE, because HF's file format has no place for our own fields.
@@ -51,9 +54,24 @@ class Tokenizer(ABC):
     def load(cls, directory: Path) -> Tokenizer:
         """Read a tokenizer of this kind back from a directory written by save()."""
 
+    def encode_ordinary(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text, a special token's string in it taken as plain text (documents of a corpus)."""
+        return [self.encode(text) for text in texts]
+
     def encode_tensor(self, text: str) -> torch.Tensor:
         """Token ids of `text` as a 1-D int64 tensor."""
+        import torch
+
         return torch.tensor(self.encode(text), dtype=torch.int64)
+
+    def fingerprint(self) -> str:
+        """sha256 of what the tokenizer maps (its saved files): equal fingerprints, equal token ids."""
+        digest = hashlib.sha256()
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save(Path(tmp))
+            for path in sorted(Path(tmp).iterdir()):
+                digest.update(path.name.encode() + b"\0" + path.read_bytes())
+        return digest.hexdigest()
 
     def __repr__(self) -> str:
         """Short description, e.g. CharTokenizer(kind='char', vocab_size=65)."""

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import tokenizers as hf  # Hugging Face's package, not this one (qkv.tokenizers)
 
@@ -26,16 +29,21 @@ class ByteBPETokenizer(Tokenizer):
         """Wrap a trained Hugging Face tokenizer (use train() or load() to get one)."""
         self._tok = hf_tokenizer
         self._eos_token = eos_token  # pretrained vocabularies name their own (SmolLM2: <|im_end|>)
+        self._ordinary: Any = None  # the engine of encode_ordinary, made on first use
 
     @classmethod
-    def train(cls, text: str, vocab_size: int, special_tokens: Sequence[str] = (ENDOFTEXT,)) -> ByteBPETokenizer:
-        """Learn merges on `text` until the vocabulary (bytes + specials + merges) has `vocab_size` tokens."""
+    def train(
+        cls, texts: str | Iterable[str], vocab_size: int, special_tokens: Sequence[str] = (ENDOFTEXT,)
+    ) -> ByteBPETokenizer:
+        """Learn merges on a text (or texts: documents, or pieces of one cut between pre-tokens) until the
+        vocabulary (bytes + specials + merges) has `vocab_size` tokens."""
         if not MIN_BPE_VOCAB <= vocab_size <= MAX_BPE_VOCAB:
             raise QkvError(
                 f"BPE vocab size must be between {MIN_BPE_VOCAB} (256 bytes + <|endoftext|>) "
                 f"and {MAX_BPE_VOCAB:,}, got {vocab_size}"
             )
-        if not text:
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        if not any(texts):
             raise QkvError("cannot train a BPE tokenizer on empty text")
         tok = hf.Tokenizer(hf.models.BPE())
         # No prefix space: encoding must not change the text, so decode(encode(t)) == t exactly.
@@ -49,7 +57,7 @@ class ByteBPETokenizer(Tokenizer):
             initial_alphabet=hf.pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
         )
-        tok.train_from_iterator([text], trainer=trainer)
+        tok.train_from_iterator(texts, trainer=trainer)
         return cls(tok)
 
     @classmethod
@@ -83,6 +91,26 @@ class ByteBPETokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; a literal <|endoftext|> in the text becomes the special token."""
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_ordinary(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text with special-token strings as plain text; GPT-2's vocabulary runs on tiktoken."""
+        if self._ordinary is None:
+            from qkv.tokenizers.gpt2 import tiktoken_engine
+
+            fast = tiktoken_engine(self)
+            if fast is not None:
+                self._ordinary = fast.encode_ordinary
+            else:  # the same tokenizer without its added tokens: "<|endoftext|>" in a text is just text
+                config = json.loads(self._tok.to_str())
+                config["added_tokens"] = []
+                plain = hf.Tokenizer.from_str(json.dumps(config))
+                self._ordinary = lambda text: plain.encode(text, add_special_tokens=False).ids
+        return [self._ordinary(text) for text in texts]
+
+    def fingerprint(self) -> str:
+        """sha256 of the tokenizer's canonical JSON (vocabulary, merges, pre-tokenizer, special tokens) and eos."""
+        canonical = json.dumps([json.loads(self._tok.to_str()), self._eos_token], sort_keys=True, ensure_ascii=False)
+        return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`, special tokens included, so decoding is the exact inverse of encoding."""

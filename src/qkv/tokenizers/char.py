@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from qkv.errors import QkvError
 from qkv.io.files import atomic_write_json, load_json
 from qkv.tokenizers.base import TOKENIZER_FILE, Tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 _MAX_SHOWN = 10  # unknown characters listed in an error message
 
@@ -93,7 +98,17 @@ class CharTokenizer(Tokenizer):
 
     def encode_tensor(self, text: str) -> torch.Tensor:
         """Token ids as a 1-D int64 tensor, skipping the intermediate Python list."""
+        import torch
+
         return torch.from_numpy(self._encode_array(text))
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """Token ids as an int64 numpy array (what `qkv prepare` writes into shards)."""
+        return self._encode_array(text)
+
+    def fingerprint(self) -> str:
+        """sha256 of the vocabulary, in id order."""
+        return hashlib.sha256(json.dumps(self._chars, ensure_ascii=False).encode("utf-8")).hexdigest()
 
     def decode(self, ids: Sequence[int]) -> str:
         """Concatenate the characters of `ids`."""

@@ -88,8 +88,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         """Refuse impossible settings with a message naming the setting."""
         for f in dataclasses.fields(self):
-            choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
+            choices, value = f.metadata.get("choices"), getattr(self, f.name)
+            if choices and value not in choices and not (value is None and f.default is None):
                 raise QkvError(f"unknown {f.name} {getattr(self, f.name)!r}; choose one of: {', '.join(choices)}")
         for name in ("batch_size", "grad_accum", "max_steps", "eval_interval"):
             positive_int(self, name)

@@ -15,25 +15,22 @@ is independent of the world size.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import re
 import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from qkv.errors import QkvError
 from qkv.training.config import STRATEGIES
-from qkv.training.evaluate import eval_batches, evaluate_loss
 
 # Test-only fault injection: "RANK:STEP" makes that rank die with os._exit(1) when it reaches STEP.
 CRASH_ENV = "QKV_TEST_CRASH_AT"
@@ -212,42 +209,6 @@ def any_rank(flag: bool, ctx: DistContext) -> bool:
     t = torch.tensor([int(flag)], device=ctx.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t)
-
-
-@torch.no_grad()
-def sharded_eval_loss(
-    model: Callable[[Tensor], Tensor],
-    data: Tensor,
-    block_size: int,
-    batch_size: int,
-    ctx: DistContext,
-    max_tokens: int | None,
-) -> float:
-    """evaluate_loss's protocol with the batches shared out over ranks; bit-identical to one process.
-
-    Rank r evaluates batches r, r + N, …; each batch's summed loss is placed at its index in a vector
-    that is all-reduced (x + 0 is exact), then summed in the original order as evaluate_loss does.
-    """
-    if not ctx.enabled:
-        return evaluate_loss(model, data, block_size, batch_size, ctx.device, max_tokens)
-    batches = list(eval_batches(data, block_size, batch_size, max_tokens))
-    sums = torch.zeros(len(batches), dtype=torch.float64)
-    for i in range(math.ceil(len(batches) / ctx.world_size)):
-        index = ctx.rank + i * ctx.world_size
-        # FSDP gathers parameters collectively in every forward, so all ranks must run the same number
-        # of them: a rank with no batch left re-runs batch 0 and throws the result away.
-        x, y = batches[index] if index < len(batches) else batches[0]
-        logits = model(x.to(ctx.device))
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.to(ctx.device).flatten(), reduction="sum")
-        if index < len(batches):
-            sums[index] = float(loss)
-    if ctx.device.type == "cuda":
-        sums = sums.to(ctx.device)
-    dist.all_reduce(sums)
-    total = 0.0
-    for value in sums.tolist():
-        total += value
-    return total / sum(y.numel() for _, y in batches)
 
 
 def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:

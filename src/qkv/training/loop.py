@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -136,6 +138,8 @@ class _Trainer:
         self.task, self.cfg, self.run_dir, self.ctx, self.hooks = task, cfg, run_dir, ctx, hooks
         self.stored = stored  # a resumed run's config.json
         torch.manual_seed(cfg.seed)  # the same seed on every rank: the same initial weights
+        random.seed(cfg.seed)  # and Python's and NumPy's generators, which a checkpoint saves, for hooks that draw
+        np.random.seed(cfg.seed % 2**32)
         task.setup(run_dir, cfg.resume)
         self.model = task.build_model().to(ctx.device)
         if hooks.on_model is not None:
@@ -166,14 +170,15 @@ class _Trainer:
     def _write_config(self) -> None:
         """config.json (and the tokenizer) for a new run; for a resumed run, only if its settings changed."""
         settings = {**self.cfg.to_dict(), "resume": False}
+        data = self.task.data_summary()
         if self.stored is not None:
             settings["out_dir"] = self.stored["training"].get("out_dir")
-            if {**self.stored["training"], "resume": False} == settings:
+            if {**self.stored["training"], "resume": False} == settings and self.stored.get("data") == data:
                 return
         else:
             self.task.save(self.run_dir)
         write_run_config(self.run_dir, self.task.name, model_type_of(self.model), self.model.cfg.to_dict(),
-                         settings, self.task.tokenizer_summary())  # fmt: skip
+                         settings, self.task.tokenizer_summary(), data)  # fmt: skip
 
     def _restore(self) -> None:
         """Load the last checkpoint: weights, optimiser, RNGs, the data generator and the counters."""
@@ -282,7 +287,7 @@ class _Trainer:
         steps = self.state.step - first_step
         tokens_per_s = (self.state.tokens_seen - first_tokens) / max(run_time, 1e-9)
         eta = (self.cfg.max_steps - self.state.step) * run_time / steps
-        self.progress.update(self.state.step, loss, tokens_per_s, eta)
+        self.progress.update_step(self.state.step, loss, tokens_per_s, eta)
 
     def _evaluate(self, full: bool) -> dict[str, float]:
         """The task's evaluation with dropout off, then back to training mode."""

@@ -157,6 +157,10 @@ class Task(ABC):
         if self.tokenizer is not None:
             self.tokenizer.save(run_dir)
 
+    def data_summary(self) -> dict[str, Any] | None:
+        """config.json's data entry: where the run's tokens come from (tasks that read a data directory)."""
+        return None
+
     def tokenizer_summary(self) -> dict[str, Any] | None:
         """config.json's tokenizer entry."""
         if self.tokenizer is None:

@@ -1,0 +1,398 @@
+"""`qkv prepare`: a corpus tokenized once, in parallel, into llm.c shards that training memory-maps.
+
+    DATA_DIR/
+        meta.json            what the directory holds; written last, so a directory without it is unfinished
+        tokenizer.json …     the tokenizer (what qkv.tokenizers.load_tokenizer reads)
+        train_000000.bin …   the training split, in shards of about --shard-tokens tokens (qkv.data.shards)
+        val_000000.bin …     the validation split
+        progress.json        while unfinished: the settings, the shards written so far and where to go on
+
+Documents (qkv.data.sources) are held out whole for validation: every k-th one for --val-fraction 1/k,
+starting with the first, or the first ones up to --val-tokens tokens. One text file without a separator
+is one document, split as qkv always has: its first 90 % of characters train, the rest validates.
+With a BPE tokenizer the end-of-text token follows each document (the char tokenizer has none).
+
+Crash safety: shards are written to hidden files and renamed when whole; every time a training shard
+is full, both open shards are closed together and progress.json records the place in the input after
+them. A killed run, started again with the same command, deletes whatever came after that record and
+goes on from it. The shards are byte for byte those of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import multiprocessing
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qkv.data.prepare_state import (
+    META_FILE,
+    PROGRESS_FILE,
+    PrepareState,
+    finished_meta,
+    open_output,
+    write_progress,
+)
+from qkv.data.shards import ShardWriter, dtype_of, magic_for
+from qkv.data.sources import Chunk, Position, ReadOptions, expand_inputs, read_chunks, single_document
+from qkv.data.workers import count_documents, encode, ordered_map, sample_texts, scan
+from qkv.errors import QkvError
+from qkv.io.files import file_sha256
+from qkv.io.progress import ProgressLine, clock
+from qkv.tokenizers import ENDOFTEXT, ByteBPETokenizer, CharTokenizer, Tokenizer, load_tokenizer
+
+SHARD_TOKENS = 100_000_000  # llm.c's FineWeb shards hold 10⁸ tokens
+TRAIN_FRACTION = 0.9  # a single document: the first 90 % of its characters train
+
+
+@dataclass(frozen=True)
+class TokenizerRecipe:
+    """A tokenizer that `prepare` makes from the corpus: char (its characters) or a byte-level BPE."""
+
+    kind: str
+    vocab_size: int = 8192  # bpe
+    sample_bytes: int = 50_000_000  # bpe: text it learns from, spread over the training documents
+    special_tokens: tuple[str, ...] = (ENDOFTEXT,)  # bpe: the vocabulary's first ids
+
+    def __post_init__(self) -> None:
+        """Refuse an unknown kind and a sample of nothing."""
+        if self.kind not in ("char", "bpe"):
+            raise QkvError(f"a tokenizer made from the corpus is char or bpe, not {self.kind!r}")
+        if self.sample_bytes < 1:
+            raise QkvError(f"--sample-bytes must be positive, got {self.sample_bytes}")
+
+
+@dataclass(frozen=True)
+class Split:
+    """How validation documents are chosen: a fraction of them (every k-th), or the first up to a token count."""
+
+    val_fraction: float = 0.01
+    val_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        """Refuse fractions outside (0, 1) and counts below 1."""
+        if not 0 < self.val_fraction < 1:
+            raise QkvError(f"--val-fraction must be between 0 and 1 (exclusive), got {self.val_fraction}")
+        if self.val_tokens is not None and self.val_tokens < 1:
+            raise QkvError(f"--val-tokens must be positive, got {self.val_tokens}")
+
+    def is_val(self, doc: int, val_tokens_so_far: int) -> bool:
+        """Whether document `doc` (0, 1, …) is held out, given the validation tokens before it."""
+        if self.val_tokens is not None:
+            return val_tokens_so_far < self.val_tokens
+        return doc == 0 or math.floor(doc * self.val_fraction) > math.floor((doc - 1) * self.val_fraction)
+
+
+@dataclass(frozen=True)
+class PrepareOptions:
+    """Everything besides the inputs and the tokenizer that decides what `prepare` writes, and how fast."""
+
+    read: ReadOptions = ReadOptions()
+    split: Split = Split()
+    shard_tokens: int = SHARD_TOKENS
+    workers: int | None = None  # processes (None: one per core; 0: none, all in this process)
+
+    def __post_init__(self) -> None:
+        """Refuse shard sizes below 1 and negative worker counts."""
+        if not 1 <= self.shard_tokens < 2**31:
+            raise QkvError(f"--shard-tokens must be between 1 and 2³¹ − 1, got {self.shard_tokens}")
+        if self.workers is not None and self.workers < 0:
+            raise QkvError(f"--workers must be ≥ 0, got {self.workers}")
+
+
+def prepare(
+    inputs: list[str],
+    out: str | Path,
+    tokenizer: Tokenizer | TokenizerRecipe,
+    tokenizer_name: str,
+    options: PrepareOptions = PrepareOptions(),
+    verbose: bool = True,
+) -> dict[str, Any]:
+    """Tokenize `inputs` into shards in `out` (finishing an interrupted run of the same command); its meta.json.
+
+    tokenizer: a ready one (GPT-2's, a run's, a checkpoint's: `tokenizer_name` says which) or a recipe.
+    """
+    paths = expand_inputs(inputs)
+    if not any(p.stat().st_size for p in paths):
+        what = f"{paths[0]} is empty" if len(paths) == 1 else f"all {len(paths)} inputs are empty"
+        raise QkvError(f"{what}; a corpus needs at least some text")
+    out = Path(out)
+    settings = _settings(paths, tokenizer, tokenizer_name, options)
+    state = open_output(out, settings)
+    if state.meta is not None:  # prepared already by the same command
+        if verbose:
+            print(f"{out} is already prepared from these inputs with these settings; nothing to do")
+        return state.meta
+    progress = ProgressLine(enabled=verbose, log_every_s=10.0)
+    with _workers(options.workers, paths) as pool:
+        run = _Run(paths, out, options, state, pool, progress)
+        tok = run.tokenizer(tokenizer, tokenizer_name)
+        try:
+            run.encode(tok)
+        except OSError as e:  # a full disk, a read error: what is committed stays, progress.json says where
+            raise QkvError(f"{out}: {e.strerror or e} while writing shards; fix that and run the same command again "
+                           f"to go on from the last finished shard") from None  # fmt: skip
+    meta = finished_meta(out, state, tok, tokenizer_name, settings)
+    if verbose:
+        progress.log(_summary(meta, out, state))
+    return meta
+
+
+def _settings(paths: list[Path], tokenizer: Tokenizer | TokenizerRecipe, name: str, options: PrepareOptions,
+              ) -> dict[str, Any]:  # fmt: skip
+    """What decides the output: the inputs as they are on disk, the tokenizer and the options (not the workers)."""
+    if isinstance(tokenizer, TokenizerRecipe):
+        tok: dict[str, Any] = {"name": name, **dataclasses.asdict(tokenizer)}
+        if tokenizer.kind == "char":
+            tok = {"name": name, "kind": "char"}
+    else:
+        tok = {"name": name, "fingerprint": tokenizer.fingerprint()}
+    files = []
+    for p in paths:
+        stat = p.stat()
+        files.append({"path": str(p), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns})
+    return {"inputs": files, "tokenizer": tok, "read": dataclasses.asdict(options.read),
+            "split": dataclasses.asdict(options.split), "shard_tokens": options.shard_tokens}  # fmt: skip
+
+
+class _workers:
+    """A pool of spawned worker processes (none for `--workers 0` or an input of a chunk or two)."""
+
+    def __init__(self, workers: int | None, paths: list[Path]) -> None:
+        n = os.cpu_count() or 1 if workers is None else workers
+        small = sum(p.stat().st_size for p in paths) <= 2 * (1 << 22)
+        self.n = 0 if small else n
+        self.pool: Any = None
+
+    def __enter__(self) -> Any:
+        if self.n > 0:  # spawn: a fresh interpreter per worker, light (no torch) and safe after threads
+            self.pool = multiprocessing.get_context("spawn").Pool(self.n)
+            self.pool.n = self.n
+        return self.pool
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+
+
+class _Run:
+    """One preparation: the passes over the corpus, the open shards and the progress line."""
+
+    def __init__(self, paths: list[Path], out: Path, options: PrepareOptions, state: PrepareState, pool: Any,
+                 progress: ProgressLine) -> None:  # fmt: skip
+        self.paths, self.out, self.options, self.state, self.pool = paths, out, options, state, pool
+        self.progress = progress
+        self.read = options.read
+        self.depth = 2 * max(1, pool.n if pool is not None else 1)  # chunks in flight: each worker has a next one
+        self.single = single_document(paths, options.read)
+        sizes = [p.stat().st_size for p in paths]
+        self.before = [sum(sizes[:i]) for i in range(len(sizes))]  # bytes of the inputs before each
+        self.total_bytes = sum(sizes)
+        self.started, self.first_done = time.monotonic(), self.before[state.position.input] if paths else 0
+
+    def chunks(self, start: Position | None = None) -> Iterator[Chunk]:
+        """The corpus from a position (the start by default); a single document's pieces carry their split."""
+        chunks = read_chunks(self.paths, self.read, start or Position(), self.state.stats)
+        if not self.single:
+            return chunks
+        return (_split_pieces(c, self.state.boundary) for c in chunks)
+
+    # ---- the tokenizer -------------------------------------------------------------------------------
+
+    def tokenizer(self, given: Tokenizer | TokenizerRecipe, name: str) -> Tokenizer:
+        """The run's tokenizer, saved in the output: given, made from the corpus, or (resumed) read back."""
+        state = self.state
+        if self.single and state.boundary is None:
+            state.boundary = int(TRAIN_FRACTION * self._count_chars())
+        if state.tokenizer_ready:
+            return load_tokenizer(self.out)
+        if isinstance(given, TokenizerRecipe):
+            self.progress.log(f"qkv prepare: learning a {name} vocabulary from the corpus …")
+            given = self._fit(given)
+        given.save(self.out)
+        state.tokenizer_ready = True
+        write_progress(self.out, state)
+        return given
+
+    def _count_chars(self) -> int:
+        """The characters of a single text file (the first pass of its 90 / 10 split)."""
+        chunks = read_chunks(self.paths, self.read, Position())
+        return sum(len(piece) for chunk in chunks for piece in chunk.payload)
+
+    def _fit(self, recipe: TokenizerRecipe) -> Tokenizer:
+        """A char vocabulary of every character, or a BPE learnt from a sample of the training text."""
+        if recipe.kind == "char":
+            alphabet: set[str] = set()
+            for _, (chars, _) in ordered_map(partial(scan, options=self.read), self.chunks(), self.pool, self.depth):
+                alphabet |= chars
+            if not alphabet:
+                raise QkvError("the inputs hold no text: every document is empty")
+            return CharTokenizer(sorted(alphabet))
+        return ByteBPETokenizer.train(self._sample(recipe.sample_bytes), recipe.vocab_size, recipe.special_tokens)
+
+    def _sample(self, budget: int) -> list[str]:
+        """About `budget` bytes of training text: the start of a single document's training part, or whole chunks
+        spread evenly over a corpus of documents."""
+        stride = 1 if self.single else max(1, math.ceil(self.total_bytes / budget))
+        texts: list[str] = []
+        size = doc = 0
+        for n, chunk in enumerate(self.chunks()):
+            if n % stride == 0:
+                for text in sample_texts(chunk, self.read, self._train_mask(chunk, doc)):
+                    if size < budget:
+                        texts.append(text[: budget - size])
+                        size += len(texts[-1].encode("utf-8", "surrogatepass"))
+            if size >= budget:
+                break
+            doc += count_documents(chunk, self.read)
+        if not size:
+            raise QkvError("the inputs hold no training text to learn a vocabulary from")
+        return texts
+
+    def _train_mask(self, chunk: Chunk, first_doc: int) -> list[bool] | None:
+        """Which of a chunk's pieces are training text (None: all; --val-tokens needs the tokenizer to tell)."""
+        if chunk.splits is not None:
+            return [s == "train" for s in chunk.splits]
+        if self.options.split.val_tokens is not None:
+            return None
+        ends = chunk.ends if chunk.kind == "text" else [True] * count_documents(chunk, self.read)
+        mask, doc = [], first_doc
+        for end in ends:
+            mask.append(not self.options.split.is_val(doc, 0))
+            doc += end
+        return mask
+
+    # ---- encoding --------------------------------------------------------------------------------------
+
+    def encode(self, tok: Tokenizer) -> None:
+        """Every chunk from the recorded position on, encoded by the workers and written in order."""
+        state, magic = self.state, magic_for(tok.vocab_size)
+        state.magic, dtype = magic, dtype_of(magic)
+        eot = np.array([tok.eos_id], dtype=dtype) if tok.eos_id is not None and tok.kind != "char" else None
+        job = partial(encode, options=self.read, directory=str(self.out), dtype=dtype.str)
+        writers: dict[str, ShardWriter | None] = {"train": None, "val": None}
+        if state.counts is None:
+            state.counts = np.zeros(tok.vocab_size, dtype=np.int64)
+        try:
+            for chunk, encoded in ordered_map(job, self.chunks(state.position), self.pool, self.depth):
+                self._write(chunk, encoded, writers, eot)
+                state.position = dataclasses.replace(chunk.at, chunk=chunk.at.chunk + 1)
+                self._show(chunk)
+                train = writers["train"]
+                if train is not None and train.count >= self.options.shard_tokens:
+                    self._commit(writers)
+            self._commit(writers)
+        except BaseException:
+            for writer in writers.values():
+                if writer is not None:
+                    writer.discard()
+            raise
+
+    def _write(self, chunk: Chunk, encoded: Any, writers: dict[str, ShardWriter | None], eot: np.ndarray | None,
+               ) -> None:  # fmt: skip
+        """Route each piece to its split, closing documents with the end-of-text token; one write per split."""
+        state, c = self.state, self.state.c
+        parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
+        start = 0
+        for i, length in enumerate(encoded.lengths.tolist()):
+            if not c.in_document:  # a document begins: which split is it in?
+                c.in_document, c.document_tokens = True, 0
+                if chunk.splits is None:
+                    c.split = "val" if self.options.split.is_val(c.documents, c.tokens["val"]) else "train"
+            if chunk.splits is not None:
+                c.split = chunk.splits[i]
+            parts[c.split].append(encoded.tokens[start : start + length])
+            start += length
+            c.document_tokens += length
+            c.tokens[c.split] += length
+            c.text_bytes[c.split] += int(encoded.text_bytes[i])
+            if encoded.ends[i]:
+                c.in_document = False
+                c.documents += 1
+                if c.document_tokens == 0:
+                    c.empty += 1
+                    continue
+                c.docs[c.split] += 1
+                if eot is not None:
+                    parts[c.split].append(eot)
+                    c.tokens[c.split] += 1
+        for split, arrays in parts.items():
+            if arrays:
+                tokens = np.concatenate(arrays)
+                if len(tokens):
+                    (writers[split] or self._new_writer(split, writers)).write(tokens)
+                    if split == "train" and state.counts is not None:
+                        state.counts += np.bincount(tokens, minlength=len(state.counts))
+
+    def _new_writer(self, split: str, writers: dict[str, ShardWriter | None]) -> ShardWriter:
+        """The next shard of a split, opened."""
+        c = self.state.c
+        writer = writers[split] = ShardWriter(self.out / f"{split}_{c.next_shard[split]:06d}.bin", self.state.magic)
+        return writer
+
+    def _commit(self, writers: dict[str, ShardWriter | None]) -> None:
+        """Close both open shards, then record them (and where the input goes on) in progress.json."""
+        state, c = self.state, self.state.c
+        for split, writer in writers.items():
+            if writer is None:
+                continue
+            path = writer.commit()
+            state.files.append({"file": path.name, "split": split, "tokens": writer.count,
+                                "text_bytes": c.text_bytes[split] - c.committed_bytes[split],
+                                "sha256": file_sha256(path)})  # fmt: skip
+            c.committed_bytes[split] = c.text_bytes[split]
+            c.next_shard[split] += 1
+            writers[split] = None
+        write_progress(self.out, state)
+
+    def _show(self, chunk: Chunk) -> None:
+        """Redraw the progress line: MB read, MB/s, tokens written, time left."""
+        done = self.before[chunk.at.input] + chunk.consumed
+        rate = (done - self.first_done) / max(time.monotonic() - self.started, 1e-9)
+        eta = (self.total_bytes - done) / rate if rate > 0 else 0.0
+        tokens = self.state.c.tokens["train"] + self.state.c.tokens["val"]
+        self.progress.update(done / max(1, self.total_bytes), f"{done / 1e6:,.0f}/{self.total_bytes / 1e6:,.0f} MB  "
+                             f"{rate / 1e6:,.1f} MB/s  {tokens:,} tokens  ETA {clock(eta)}")  # fmt: skip
+
+
+def _split_pieces(chunk: Chunk, boundary: int | None) -> Chunk:
+    """A single document's chunk with each piece labelled train or val, cut in two at the 90 % character."""
+    assert boundary is not None
+    pieces, ends, splits = [], [], []
+    at = chunk.chars
+    for piece, end in zip(chunk.payload, chunk.ends, strict=True):
+        if at < boundary < at + len(piece):  # the train split ends here: no end-of-text, a new piece begins
+            pieces += [piece[: boundary - at], piece[boundary - at :]]
+            ends += [False, end]
+            splits += ["train", "val"]
+        else:
+            pieces.append(piece)
+            ends.append(end)
+            splits.append("train" if at + len(piece) <= boundary else "val")
+        at += len(piece)
+    return dataclasses.replace(chunk, payload=pieces, ends=ends, splits=splits)
+
+
+def _summary(meta: dict[str, Any], out: Path, state: PrepareState) -> str:
+    """The closing lines: documents, tokens and shards per split."""
+    lines = []
+    for split in ("train", "val"):
+        s = meta["splits"][split]
+        shards = sum(f["split"] == split for f in meta["files"])
+        lines.append(f"{split:>5}: {s['documents']:,} documents, {s['tokens']:,} tokens, {s['text_bytes'] / 1e6:,.1f} "
+                     f"MB of text, {shards} shard{'s' if shards != 1 else ''}")  # fmt: skip
+    tok = meta["tokenizer"]
+    head = f"prepared {out}: tokenizer {tok['name']} ({tok['vocab_size']:,} tokens)"
+    return "\n".join([head, *lines, f"train on it: qkv train --data {out}"])
+
+
+__all__ = ["META_FILE", "PROGRESS_FILE", "PrepareOptions", "Split", "TokenizerRecipe", "prepare"]
