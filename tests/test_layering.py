@@ -25,6 +25,8 @@ BLOCKED = (
     "pytest",
     "mkdocs",
     "nbmake",
+    "tiktoken",
+    "pyarrow",
 )
 
 
@@ -77,9 +79,13 @@ assert main(["train", "--data", sys.argv[1], "--max-steps", "2", "--eval-interva
              "--out-dir", sys.argv[2]]) == 0
 assert main(["generate", sys.argv[2], "--max-new-tokens", "5"]) == 0
 assert main(["explore", sys.argv[2], "--no-browser"]) == 2
+assert main(["prepare", sys.argv[1], "--tokenizer", "char", "--out", sys.argv[4]]) == 0
+assert main(["prepare", sys.argv[1], "--out", sys.argv[4] + "-gpt2"]) == 0  # GPT-2 without tiktoken: HF's engine
+open(sys.argv[4] + ".parquet", "wb").write(b"PAR1")
+assert main(["prepare", sys.argv[4] + ".parquet", "--out", sys.argv[4] + "-pq"]) == 2
 sys.exit(main(["train", "translate", "--max-steps", "1", "--out-dir", sys.argv[3]]))
 """
-    done = _python(code, str(text), str(tmp_path / "lm"), str(tmp_path / "tr"), cwd=tmp_path)
+    done = _python(code, str(text), str(tmp_path / "lm"), str(tmp_path / "tr"), str(tmp_path / "data"), cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines()[-1] == (
         "qkv train: error: validation BLEU needs the sacrebleu package: pip install 'qkv[translate]'"
@@ -89,6 +95,9 @@ sys.exit(main(["train", "translate", "--max-steps", "1", "--out-dir", sys.argv[3
         done.stderr.splitlines()
     )
     assert not (tmp_path / "tr").exists()  # refused before anything was written
+    assert "qkv prepare: error: reading Parquet files needs the pyarrow package: pip install 'qkv[data]'" in (
+        done.stderr.splitlines()
+    )
 
 
 def _excerpt() -> str:

@@ -240,3 +240,76 @@ def test_verify_finds_a_changed_shard(tmp_path: Path, corpus: Path) -> None:
     shard.write_bytes(bytes(data))
     with pytest.raises(QkvError, match=r"train_000000\.bin does not match the sha256 in meta\.json"):
         verify_data(out)
+
+
+# --- the command: one line for each mistake, and nothing left behind ----------------------------------------
+
+PREPARE_ERRORS: list[tuple[str, list[str], str]] = [
+    ("empty file", ["{empty}"], "{empty} is empty; a corpus needs at least some text"),
+    ("directory with no files", ["{emptydir}"],
+     "{emptydir} is a directory with no files in it; give a directory that holds the corpus"),
+    ("glob matching nothing", ["{emptydir}/*.jsonl"], "no file matches {emptydir}/*.jsonl"),
+    ("missing input", ["{emptydir}/nope.txt"], "input not found: {emptydir}/nope.txt"),
+    ("not UTF-8", ["{latin1}"], "{latin1} is not valid UTF-8: byte 0xe9 at byte offset 3; re-save it as UTF-8, or "
+     "prepare it with `qkv prepare --errors replace` (bad bytes become U+FFFD)"),
+    ("row without the field", ["{rows}"],
+     "{rows} line 2 has no field 'text' (it has: body); name the text's field with --text-field"),
+    ("Parquet without the column", ["{table}"],
+     "{table} has no column 'text' (its columns: body); choose one with --column"),
+    ("unknown tokenizer", ["{text}", "--tokenizer", "wordpiece"],
+     "--tokenizer wordpiece: not char, bpe or gpt2, and no such file or directory"),
+    ("BPE option for GPT-2", ["{text}", "--vocab-size", "512"],
+     "--vocab-size: options of a BPE learnt from the corpus (--tokenizer bpe), not of gpt2"),
+    ("bad fraction", ["{text}", "--val-fraction", "1.5"],
+     "--val-fraction must be between 0 and 1 (exclusive), got 1.5"),
+    ("no --out", ["{text}", "--out", ""], "give --out DATA_DIR: the directory to write the shards to"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "argv", "message"), PREPARE_ERRORS, ids=[c[0] for c in PREPARE_ERRORS])
+def test_prepare_refuses_bad_input_in_one_line_and_leaves_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str, argv: list[str], message: str
+) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from helpers import run_main
+
+    files = {"empty": tmp_path / "empty.txt", "emptydir": tmp_path / "nothing", "latin1": tmp_path / "latin1.txt",
+             "rows": tmp_path / "rows.jsonl", "table": tmp_path / "table.parquet", "text": tmp_path / "text.txt"}
+    files["empty"].write_text("")
+    files["emptydir"].mkdir()
+    files["latin1"].write_bytes(b"caf\xe9 au lait")
+    files["rows"].write_text('{"text": "fine"}\n{"body": "not text"}\n')
+    pq.write_table(pa.table({"body": ["x"]}), files["table"])
+    files["text"].write_text("some text " * 100)
+    paths = {k: str(v) for k, v in files.items()}
+    out = tmp_path / "out"
+    args = [a.format(**paths) for a in argv]
+    code, stdout, stderr = run_main(capsys, "prepare", *args, *(["--out", str(out)] if "--out" not in args else []))
+    assert (code, stdout) == (2, ""), stderr
+    assert stderr.splitlines() == [f"qkv prepare: error: {message.format(**paths)}"]
+    assert not out.exists()
+
+
+def test_prepare_takes_a_runs_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--tokenizer RUN_DIR`: data for fine-tuning a model comes out in the model's own vocabulary."""
+    from helpers import run_main
+
+    from qkv.tasks import load
+
+    text = tmp_path / "text.txt"
+    text.write_text(load_shakespeare()[:20_000])
+    run = tmp_path / "run"
+    code, _, err = run_main(capsys, "train", "--data", str(text), "--tokenizer", "bpe", "--vocab-size", "300",
+                            "--max-steps", "2", "--eval-interval", "2", "--sample-tokens", "0", "--n-layers", "1",
+                            "--out-dir", str(run))  # fmt: skip
+    assert code == 0, err
+    other = tmp_path / "other.jsonl"
+    write_jsonl(other, ["Now is the winter of our discontent", "Made glorious summer by this sun of York"])
+    code, _, err = run_main(capsys, "prepare", str(other), "--tokenizer", str(run), "--out", str(tmp_path / "ft"),
+                            "--val-fraction", "0.5")  # fmt: skip
+    assert code == 0, err
+    tokenizer = load(run).tokenizer
+    data = open_data(tmp_path / "ft")
+    assert data.fingerprint == tokenizer.fingerprint() and data.meta["tokenizer"]["name"] == str(run)
+    assert split_tokens(tmp_path / "ft")["val"] == [*tokenizer.encode("Now is the winter of our discontent"), 0]

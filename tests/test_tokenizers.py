@@ -15,9 +15,7 @@ from qkv.tokenizers import (
     ENDOFTEXT,
     ByteBPETokenizer,
     CharTokenizer,
-    Tokenizer,
     load_tokenizer,
-    make_tokenizer,
 )
 
 UNICODE_TEXT = "Héllo, wörld! 🎉 naïve café\r\n\ttabs  and   spaces \u2014 end <|endoftext|> after\n\n"
@@ -128,23 +126,18 @@ def test_bpe_rejects_bad_vocab_size(size: int) -> None:
         ByteBPETokenizer.train("some text", vocab_size=size)
 
 
-# ---- make_tokenizer / load_tokenizer ---------------------------------------------------------------
+# ---- load_tokenizer ------------------------------------------------------------------------------------
 
 
-def test_make_tokenizer() -> None:
+def test_fingerprints_tell_tokenizers_apart_and_survive_saving(tmp_path: Path) -> None:
+    """Equal fingerprints for the same tokenizer saved and loaded back; different ones for different vocabularies."""
     text = "to be or not to be, that is the question " * 20
-    char = make_tokenizer("char", text, None)
-    bpe = make_tokenizer("bpe", text, 300)
-    assert isinstance(char, Tokenizer) and char.kind == "char"
-    assert isinstance(bpe, Tokenizer) and bpe.kind == "bpe"
-    assert bpe.decode(bpe.encode(text)) == text
-
-
-def test_make_tokenizer_errors() -> None:
-    with pytest.raises(QkvError, match="unknown tokenizer 'word'; choose one of: char, bpe"):
-        make_tokenizer("word", "text", None)
-    with pytest.raises(QkvError, match="char tokenizer"):
-        make_tokenizer("char", "text", 100)
+    tokenizers = [CharTokenizer.from_text(text), CharTokenizer.from_text(text + "!"), ByteBPETokenizer.train(text, 300),
+                  ByteBPETokenizer.train(text, 270)]  # fmt: skip
+    for i, tokenizer in enumerate(tokenizers):
+        tokenizer.save(tmp_path / str(i))
+        assert load_tokenizer(tmp_path / str(i)).fingerprint() == tokenizer.fingerprint()
+    assert len({t.fingerprint() for t in tokenizers}) == len(tokenizers)
 
 
 def test_load_missing_directory(tmp_path: Path) -> None:

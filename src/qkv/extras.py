@@ -15,7 +15,7 @@ def require(module: str, extra: str, feature: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise QkvError(f"{feature} needs the {module} package: pip install 'qkv[{extra}]'") from None
+        raise QkvError(f"{feature} needs the {module.split('.')[0]} package: pip install 'qkv[{extra}]'") from None
 
 
 def package_file(distribution: str, suffix: str) -> Path:

@@ -67,7 +67,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             raise QkvError("--verify takes one DATA_DIR and no --out")
         print(verify_data(Path(args.inputs[0])))
         return 0
-    if args.out is None:
+    if not args.out:
         raise QkvError("give --out DATA_DIR: the directory to write the shards to")
     from qkv.data.prepare import PrepareOptions, prepare
     from qkv.data.sources import ReadOptions

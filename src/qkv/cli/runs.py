@@ -168,11 +168,13 @@ class _TextStream:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Print the run's measures on its held-out data, as its task defines them."""
+    from qkv.io.devices import keep_freed_memory
     from qkv.io.run_dir import read_run_config
     from qkv.tasks.base import EvalOptions
 
     options = EvalOptions(args.batch_size, args.beam, args.length_penalty, args.coverage_penalty, args.beam_scoring)
     stored = read_run_config(Path(args.run_dir))
+    keep_freed_memory()  # as training does: each batch's activations reuse the last one's memory (CPU, glibc)
     if stored["task"] != "translate":
         options.refuse_beam_options(stored["task"])  # before a model is built from the run
     for line in _load(args, stored=stored).evaluate(options):

@@ -24,6 +24,7 @@ import dataclasses
 import math
 import multiprocessing
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from qkv.data import sources
 from qkv.data.prepare_state import (
     META_FILE,
     PROGRESS_FILE,
@@ -132,17 +134,22 @@ def prepare(
             print(f"{out} is already prepared from these inputs with these settings; nothing to do")
         return state.meta
     progress = ProgressLine(enabled=verbose, log_every_s=10.0)
-    with _workers(options.workers, paths) as pool:
-        run = _Run(paths, out, options, state, pool, progress)
-        tok = run.tokenizer(tokenizer, tokenizer_name)
-        try:
+    began = time.monotonic()
+    try:
+        with _Workers(options.workers, paths) as workers:
+            run = _Run(paths, out, options, state, workers, progress)
+            tok = run.tokenizer(tokenizer, tokenizer_name)
             run.encode(tok)
-        except OSError as e:  # a full disk, a read error: what is committed stays, progress.json says where
-            raise QkvError(f"{out}: {e.strerror or e} while writing shards; fix that and run the same command again "
-                           f"to go on from the last finished shard") from None  # fmt: skip
-    meta = finished_meta(out, state, tok, tokenizer_name, settings)
+        meta = finished_meta(out, state, tok, tokenizer_name, settings)
+    except QkvError:  # the input is at fault: a directory this command made is of no use to anyone
+        if state.created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    except OSError as e:  # a full disk, a read error: what is committed stays, progress.json says where
+        raise QkvError(f"{out}: {e.strerror or e} while writing shards; fix that and run the same command again "
+                       f"to go on from the last finished shard") from None  # fmt: skip
     if verbose:
-        progress.log(_summary(meta, out, state))
+        progress.log(_summary(meta, out, time.monotonic() - began))
     return meta
 
 
@@ -163,20 +170,19 @@ def _settings(paths: list[Path], tokenizer: Tokenizer | TokenizerRecipe, name: s
             "split": dataclasses.asdict(options.split), "shard_tokens": options.shard_tokens}  # fmt: skip
 
 
-class _workers:
+class _Workers:
     """A pool of spawned worker processes (none for `--workers 0` or an input of a chunk or two)."""
 
     def __init__(self, workers: int | None, paths: list[Path]) -> None:
-        n = os.cpu_count() or 1 if workers is None else workers
-        small = sum(p.stat().st_size for p in paths) <= 2 * (1 << 22)
+        n = (os.cpu_count() or 1) if workers is None else workers
+        small = sum(p.stat().st_size for p in paths) <= 2 * sources.BLOCK_BYTES
         self.n = 0 if small else n
         self.pool: Any = None
 
-    def __enter__(self) -> Any:
+    def __enter__(self) -> _Workers:
         if self.n > 0:  # spawn: a fresh interpreter per worker, light (no torch) and safe after threads
             self.pool = multiprocessing.get_context("spawn").Pool(self.n)
-            self.pool.n = self.n
-        return self.pool
+        return self
 
     def __exit__(self, *exc: object) -> None:
         if self.pool is not None:
@@ -187,12 +193,12 @@ class _workers:
 class _Run:
     """One preparation: the passes over the corpus, the open shards and the progress line."""
 
-    def __init__(self, paths: list[Path], out: Path, options: PrepareOptions, state: PrepareState, pool: Any,
-                 progress: ProgressLine) -> None:  # fmt: skip
-        self.paths, self.out, self.options, self.state, self.pool = paths, out, options, state, pool
+    def __init__(self, paths: list[Path], out: Path, options: PrepareOptions, state: PrepareState,
+                 workers: _Workers, progress: ProgressLine) -> None:  # fmt: skip
+        self.paths, self.out, self.options, self.state, self.pool = paths, out, options, state, workers.pool
         self.progress = progress
         self.read = options.read
-        self.depth = 2 * max(1, pool.n if pool is not None else 1)  # chunks in flight: each worker has a next one
+        self.depth = 2 * max(1, workers.n)  # chunks in flight: each worker has the next one waiting
         self.single = single_document(paths, options.read)
         sizes = [p.stat().st_size for p in paths]
         self.before = [sum(sizes[:i]) for i in range(len(sizes))]  # bytes of the inputs before each
@@ -382,17 +388,19 @@ def _split_pieces(chunk: Chunk, boundary: int | None) -> Chunk:
     return dataclasses.replace(chunk, payload=pieces, ends=ends, splits=splits)
 
 
-def _summary(meta: dict[str, Any], out: Path, state: PrepareState) -> str:
-    """The closing lines: documents, tokens and shards per split."""
-    lines = []
+def _summary(meta: dict[str, Any], out: Path, seconds: float) -> str:
+    """The closing lines: the time taken, then documents, tokens and shards per split."""
+    size = sum(i["bytes"] for i in meta["inputs"])
+    tok = meta["tokenizer"]
+    took = f"{seconds:.1f} s" if seconds < 60 else clock(seconds)
+    lines = [f"prepared {out} in {took} ({size / 1e6:,.1f} MB of input, {size / 1e6 / seconds:,.1f} MB/s): "
+             f"tokenizer {tok['name']} ({tok['vocab_size']:,} tokens)"]  # fmt: skip
     for split in ("train", "val"):
         s = meta["splits"][split]
         shards = sum(f["split"] == split for f in meta["files"])
-        lines.append(f"{split:>5}: {s['documents']:,} documents, {s['tokens']:,} tokens, {s['text_bytes'] / 1e6:,.1f} "
+        lines.append(f"{split:>5}: {s['documents']:,} documents, {s['tokens']:,} tokens, {s['text_bytes'] / 1e6:,.2f} "
                      f"MB of text, {shards} shard{'s' if shards != 1 else ''}")  # fmt: skip
-    tok = meta["tokenizer"]
-    head = f"prepared {out}: tokenizer {tok['name']} ({tok['vocab_size']:,} tokens)"
-    return "\n".join([head, *lines, f"train on it: qkv train --data {out}"])
+    return "\n".join([*lines, f"train on it: qkv train --data {out}"])
 
 
 __all__ = ["META_FILE", "PROGRESS_FILE", "PrepareOptions", "Split", "TokenizerRecipe", "prepare"]

@@ -53,6 +53,7 @@ class PrepareState:
     settings: dict[str, Any]
     meta: dict[str, Any] | None = None  # finished already
     resumed: bool = False
+    created: bool = False  # the directory was made by this run (and holds nothing else)
     tokenizer_ready: bool = False
     position: Position = Position()
     boundary: int | None = None  # a single document: its first `boundary` characters train
@@ -87,6 +88,7 @@ def open_output(out: Path, settings: dict[str, Any]) -> PrepareState:
     if out.is_dir() and any(out.iterdir()):
         raise QkvError(f"--out {out} is not empty and holds no qkv preparation; give a new directory")
     out.mkdir(parents=True, exist_ok=True)
+    fresh.created = True
     write_progress(out, fresh)
     return fresh
 
@@ -140,7 +142,7 @@ def finished_meta(out: Path, state: PrepareState, tok: Tokenizer, name: str, set
     c = state.c
     for split in SPLITS:
         if c.tokens[split] == 0:
-            raise QkvError(_empty_split_message(split, c, out))
+            raise QkvError(_empty_split_message(split, state))
     counts = state.counts if state.counts is not None else np.zeros(1, dtype=np.int64)
     meta = {
         "format": FORMAT,
@@ -161,12 +163,14 @@ def finished_meta(out: Path, state: PrepareState, tok: Tokenizer, name: str, set
     return meta
 
 
-def _empty_split_message(split: str, c: Counters, out: Path) -> str:
+def _empty_split_message(split: str, state: PrepareState) -> str:
     """Why a split came out empty, and what to do."""
-    if c.documents == 0 or c.tokens["train"] + c.tokens["val"] == 0:
-        return f"the inputs hold no text (every document is empty); nothing was prepared in {out}"
+    c = state.c
+    if c.tokens["train"] + c.tokens["val"] == 0:
+        return "the inputs hold no text: every document is empty"
+    if state.boundary is not None:
+        return "the text is too short to split: its first 90 % of characters train, the rest validates; give more text"
     if split == "train":
-        return (f"every one of the {c.documents} document(s) went to validation, none is left to train on; give more "
-                f"documents or a larger --val-tokens budget… then delete {out} and prepare again")  # fmt: skip
-    return (f"no document went to validation; lower --val-tokens or raise --val-fraction, then delete {out} and "
-            "prepare again")  # fmt: skip
+        return (f"all {c.documents:,} documents went to validation, none is left to train on; give more documents, or "
+                "a smaller --val-tokens or --val-fraction")  # fmt: skip
+    return "no document went to validation; give a larger --val-fraction or --val-tokens"

@@ -31,6 +31,7 @@ from qkv.tasks.text import TextConfig, check_window_fits, data_record, text_data
 from qkv.tokenizers import Tokenizer, load_tokenizer
 from qkv.training import Evaluation, RunConfig, Task, TrainResult, evaluate_loss, option, perplexity
 from qkv.training.config import OPTIMIZERS
+from qkv.training.evaluate import eval_rows
 
 TOKENIZERS = ("char", "bpe", "gpt2")  # of a text file; a data directory has its own
 
@@ -173,10 +174,11 @@ class LMTask(Task):
     def evaluate(self, ev: Evaluation) -> dict[str, float]:
         """The validation loss by `qkv eval`'s protocol (periodically over eval_tokens tokens, if set)."""
         assert self.data is not None
-        max_tokens = self.cfg.final_eval_tokens if ev.full else self.cfg.eval_tokens
+        cfg, max_tokens = self.cfg, self.cfg.final_eval_tokens if ev.full else self.cfg.eval_tokens
+        rows = eval_rows(cfg.batch_size, cfg.block_size, self.data.tokenizer.vocab_size)
         with ev.autocast():
-            loss = evaluate_loss(ev.forward, self.data.split("val"), self.cfg.block_size, self.cfg.batch_size,
-                                 ev.ctx.device, max_tokens, ev.ctx)  # fmt: skip
+            loss = evaluate_loss(ev.forward, self.data.split("val"), cfg.block_size, rows, ev.ctx.device, max_tokens,
+                                 ev.ctx)  # fmt: skip
         return {"val_loss": loss}
 
     @property
@@ -192,11 +194,15 @@ class LMTask(Task):
         if self.cfg.sample_tokens > 0:
             run = LMRun.load(result.run_dir)
             tokenizer = run.require_tokenizer()
-            prompt = "\n" if "\n" in getattr(tokenizer, "chars", "\n") else tokenizer.decode([0])
+            # A new line for characters; a BPE's end-of-text token, after which a document begins.
+            eos = tokenizer.eos_id
+            prompt = "\n" if eos is None and "\n" in getattr(tokenizer, "chars", "\n") else tokenizer.decode([eos or 0])
             sample = run.generate(prompt, self.cfg.sample_tokens, temperature=0.8, seed=self.cfg.seed)
             lines += ["\n--- sample " + "-" * 60, sample, "-" * 71]
         run_dir = result.run_dir
-        lines.append(f"more: qkv generate {run_dir} --prompt 'ROMEO:'  |  qkv eval {run_dir}  |  qkv explore {run_dir}")
+        prompt = "ROMEO:" if self.cfg.data is None else "The"
+        lines.append(f"more: qkv generate {run_dir} --prompt '{prompt}'  |  qkv eval {run_dir}  |  "
+                     f"qkv explore {run_dir}")
         return "\n".join(lines)
 
 
@@ -239,7 +245,8 @@ class LMRun(LoadedRun):
         """The validation loss training's last evaluation measures: final_eval_tokens of the split, or all of it."""
         cfg = self.config
         val = self.validation_data() if val is None else val
-        return evaluate_loss(self.model, val, cfg.block_size, batch_size, self.device, cfg.final_eval_tokens)
+        rows = eval_rows(batch_size, cfg.block_size, self.model.cfg.vocab_size)
+        return evaluate_loss(self.model, val, cfg.block_size, rows, self.device, cfg.final_eval_tokens)
 
 
 def new_tokenizer(cfg: LMConfig) -> Tokenizer | TokenizerRecipe:
@@ -248,4 +255,4 @@ def new_tokenizer(cfg: LMConfig) -> Tokenizer | TokenizerRecipe:
         from qkv.tokenizers.gpt2 import gpt2_tokenizer
 
         return gpt2_tokenizer()
-    return TokenizerRecipe(cfg.tokenizer or "char", cfg.vocab_size)
+    return TokenizerRecipe("char") if cfg.tokenizer in (None, "char") else TokenizerRecipe("bpe", cfg.vocab_size)

@@ -1,35 +1,16 @@
-"""Create a tokenizer by name, or load whichever kind a directory holds."""
+"""Load whichever kind of tokenizer a directory holds."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 from qkv.errors import QkvError
 from qkv.io.files import load_json
 from qkv.tokenizers.base import CONFIG_FILE, TOKENIZER_FILE, Tokenizer
-from qkv.tokenizers.bpe import ENDOFTEXT, ByteBPETokenizer
+from qkv.tokenizers.bpe import ByteBPETokenizer
 from qkv.tokenizers.char import CharTokenizer
 
 TOKENIZER_KINDS: dict[str, type[Tokenizer]] = {"char": CharTokenizer, "bpe": ByteBPETokenizer}
-DEFAULT_BPE_VOCAB_SIZE = 1024
-
-
-def make_tokenizer(
-    kind: str, text: str, vocab_size: int | None = None, special_tokens: Sequence[str] = (ENDOFTEXT,)
-) -> Tokenizer:
-    """Build a tokenizer of `kind` ("char" or "bpe", whose vocabulary starts with `special_tokens`) from a text."""
-    if kind == "char":
-        # The char vocabulary is whatever characters the text contains; a size cannot be chosen.
-        if vocab_size is not None:
-            raise QkvError(
-                "the char tokenizer's vocabulary is the text's characters; drop the vocab size or use the bpe tokenizer"
-            )
-        return CharTokenizer.from_text(text)
-    if kind == "bpe":
-        size = DEFAULT_BPE_VOCAB_SIZE if vocab_size is None else vocab_size
-        return ByteBPETokenizer.train(text, vocab_size=size, special_tokens=special_tokens)
-    raise QkvError(f"unknown tokenizer {kind!r}; choose one of: {', '.join(TOKENIZER_KINDS)}")
 
 
 def load_tokenizer(directory: Path) -> Tokenizer:

@@ -23,6 +23,14 @@ if TYPE_CHECKING:
     from qkv.training.distributed import DistContext
 
 SAMPLE_PIECES = 8  # stretches of the split a partial evaluation reads
+# glibc serves blocks up to 32 MiB from its heap (with qkv.io.devices.keep_freed_memory) and maps larger ones
+# fresh, so a batch whose logits are larger page-faults them in again every time.
+LOGITS_BYTES = 32 * 2**20
+
+
+def eval_rows(batch_size: int, block_size: int, vocab_size: int) -> int:
+    """Windows per evaluation batch: batch_size, fewer where a batch's float32 logits would pass LOGITS_BYTES."""
+    return max(1, min(batch_size, LOGITS_BYTES // (4 * block_size * vocab_size)))
 
 
 @torch.no_grad()
