@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from qkv.attention.sdpa import scaled_dot_product_attention
-from qkv.bench import save_report
+from qkv.bench import save_report, status_bytes
 
 HEADS, D_HEAD = 8, 64
 PATHS = ("reference", "fused", "torch")
@@ -65,21 +65,13 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _status_bytes(field: str) -> int:
-    """A memory field of /proc/self/status (VmRSS, VmHWM), in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024  # reported in kB
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def _reset_peak_rss() -> int:
     """Return freed heap to the OS, restart the peak-RSS mark at the current RSS, and return that RSS (bytes)."""
     libc = ctypes.CDLL(None)
     if hasattr(libc, "malloc_trim"):  # glibc
         libc.malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")  # "5" resets VmHWM (Linux ≥ 4.0)
-    return _status_bytes("VmRSS")
+    return status_bytes("VmRSS")
 
 
 def measure_case(path: str, t: int, device: str, repeats: int, threads: int) -> dict[str, float]:
@@ -100,7 +92,7 @@ def measure_case(path: str, t: int, device: str, repeats: int, threads: int) -> 
     else:
         base = _reset_peak_rss()
         _step(fn, q, k, v, g)  # the first step after the baseline sets the peak; later ones reuse freed memory
-        peak = _status_bytes("VmHWM") - base
+        peak = status_bytes("VmHWM") - base
     times = []
     for _ in range(repeats):
         _sync(device)

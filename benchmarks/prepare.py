@@ -32,14 +32,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from qkv.bench import save_report
+from qkv.bench import PeakMemory, save_report
 from qkv.extras import package_file
 
 GPT2_FILES = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
@@ -78,51 +77,17 @@ def nanogpt_script(source: Path, work: Path, corpus: Path) -> Path:
     return script
 
 
-def _tree_rss(root: int) -> int:
-    """Resident bytes of a process and all its descendants."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    tree, frontier = {root}, [root]
-    while frontier:
-        pid = frontier.pop()
-        children = [p for p, parent in parents.items() if parent == pid and p not in tree]
-        tree.update(children)
-        frontier += children
-    total = 0
-    for pid in tree:
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            continue
-        total += next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:")), 0)
-    return total
-
-
 def measured(command: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, int]:
     """Run a command to the end: (seconds from launch to exit, peak summed RSS of its processes in bytes)."""
     began = time.monotonic()
     proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    peak = [0]
-
-    def sample() -> None:
-        while proc.poll() is None:
-            peak[0] = max(peak[0], _tree_rss(proc.pid))
-            time.sleep(0.02)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+    memory = PeakMemory(proc.pid, "VmRSS", tree=True)
     _, err = proc.communicate()
     seconds = time.monotonic() - began
-    sampler.join()
+    peak = memory.stop()
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{err}")
-    return seconds, peak[0]
+    return seconds, peak
 
 
 def _documents(corpus: Path) -> list[str]:
@@ -163,7 +128,7 @@ def check_tokens(corpus: Path, data: Path, cache: Path) -> tuple[int, int]:
     """Every document's tiktoken tokens + <|endoftext|>, in the split meta.json's rule puts it, equal the shards'."""
     import tiktoken
 
-    from qkv.data.prepare import Split
+    from qkv.data.options import Split
     from qkv.data.tokens import open_data
 
     os.environ["TIKTOKEN_CACHE_DIR"] = str(cache)

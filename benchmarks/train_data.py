@@ -24,12 +24,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from qkv.bench import save_report
+from qkv.bench import PeakMemory, save_report
 
 ROOT = Path(__file__).resolve().parents[1]
 # A run in a fresh process: settings as JSON in argv[1]; prints the launch-relative time of the first step and
@@ -60,29 +59,16 @@ def run_child(settings: dict[str, Any], src: Path) -> dict[str, float]:
     launched = time.time()
     proc = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(settings)], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-    peak = [0]
-
-    def sample() -> None:
-        while proc.poll() is None:
-            try:
-                status = Path(f"/proc/{proc.pid}/status").read_text()
-                anon = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("RssAnon:"))
-                peak[0] = max(peak[0], anon * 1024)
-            except (OSError, StopIteration):
-                pass
-            time.sleep(0.02)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+    memory = PeakMemory(proc.pid, "RssAnon")
     out, err = proc.communicate()
-    sampler.join()
+    peak = memory.stop()
     if proc.returncode != 0:
         raise SystemExit(f"training failed:\n{err}")
     lines = dict(line.split(" ", 1) for line in out.splitlines() if " " in line)
     if not lines["QKV"].startswith(str(src)):
         raise SystemExit(f"the run imported {lines['QKV']}, not the qkv in {src}")
     return {"first_step_s": float(lines["FIRST_STEP"]) - launched, "tokens_per_s": float(lines["TOKENS_PER_S"]),
-            "peak_anon_bytes": peak[0]}  # fmt: skip
+            "peak_anon_bytes": peak}  # fmt: skip
 
 
 def speed(args: argparse.Namespace) -> dict[str, Any]:

@@ -14,7 +14,6 @@ from qkv.data import (
     load_shakespeare,
     random_batch,
     read_text_file,
-    train_val_split,
 )
 from qkv.errors import QkvError
 
@@ -34,28 +33,6 @@ def test_shakespeare_corpus_is_the_pinned_text() -> None:
 
 def test_shakespeare_is_cached() -> None:
     assert load_shakespeare() is load_shakespeare()
-
-
-# ---- the split -------------------------------------------------------------------------------------
-
-
-def test_train_val_split_sizes() -> None:
-    ids = torch.arange(1000)
-    train, val = train_val_split(ids)
-    assert len(train) == 900 and len(val) == 100
-    assert torch.equal(torch.cat([train, val]), ids)  # contiguous: first 90 %, then last 10 %
-
-
-def test_train_val_split_rounds_like_nanogpt() -> None:
-    ids = torch.arange(1_003_854)  # the size of nanoGPT's shakespeare_char text
-    train, val = train_val_split(ids, 0.9)
-    assert len(train) == int(0.9 * 1_003_854) and len(train) + len(val) == len(ids)
-
-
-@pytest.mark.parametrize("fraction", [0.0, 1.0, -0.1, 1.5])
-def test_train_val_split_rejects_bad_fraction(fraction: float) -> None:
-    with pytest.raises(QkvError, match="train fraction"):
-        train_val_split(torch.arange(10), fraction)
 
 
 # ---- random_batch ----------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ import qkv
 from qkv.config import DecoderLMConfig
 from qkv.data import load_shakespeare, sources
 from qkv.data.cache import open_text
-from qkv.data.prepare import PrepareOptions, Split, TokenizerRecipe, prepare
+from qkv.data.options import PrepareOptions, Split, TokenizerRecipe
+from qkv.data.prepare import prepare
 from qkv.io.files import load_safetensors
 from qkv.models import DecoderLM
 from qkv.tasks import load, train

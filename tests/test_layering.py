@@ -54,10 +54,11 @@ def test_import_qkv_attention_loads_no_feature_room() -> None:
 
 
 def test_starting_the_command_imports_no_torch() -> None:
-    """`qkv --help` builds its parser without torch: it answers at once."""
-    code = "import sys; from qkv.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    """`qkv --help` builds its parser without torch, numpy or Hugging Face's tokenizers: it answers at once."""
+    code = ("import sys; from qkv.cli import build_parser; build_parser(); "
+            "print([m for m in ('torch', 'numpy', 'tokenizers') if m in sys.modules])")  # fmt: skip
     done = _python(code)
-    assert (done.returncode, done.stdout.strip()) == (0, "False"), done.stderr
+    assert (done.returncode, done.stdout.strip()) == (0, "[]"), done.stderr
 
 
 def test_the_command_needs_no_optional_package(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ whatever the workers, and crash safety: a killed or disk-full run finishes with 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -17,7 +18,8 @@ import pytest
 from helpers import shakespeare_documents, subprocess_env, write_jsonl
 
 from qkv.data import load_shakespeare, sources
-from qkv.data.prepare import PrepareOptions, Split, TokenizerRecipe, prepare
+from qkv.data.options import PrepareOptions, Split, TokenizerRecipe
+from qkv.data.prepare import prepare
 from qkv.data.shards import ShardWriter, read_header
 from qkv.data.sources import ReadOptions
 from qkv.data.tokens import open_data, verify_data
@@ -313,3 +315,79 @@ def test_prepare_takes_a_runs_tokenizer(tmp_path: Path, capsys: pytest.CaptureFi
     data = open_data(tmp_path / "ft")
     assert data.fingerprint == tokenizer.fingerprint() and data.meta["tokenizer"]["name"] == str(run)
     assert split_tokens(tmp_path / "ft")["val"] == [*tokenizer.encode("Now is the winter of our discontent"), 0]
+
+
+def _interrupted(corpus: list[str], out: Path, tokenizer: Any, options: PrepareOptions, commits: int) -> None:
+    """prepare(), stopped by an exception right after its `commits`-th record of finished shards."""
+    import qkv.data.prepare as module
+
+    real, seen = module.write_progress, []
+
+    def write_progress(directory: Path, state: Any) -> None:
+        real(directory, state)
+        seen.append(len(state.files))
+        if len([n for n in seen if n]) == commits:
+            raise KeyboardInterrupt
+
+    module.write_progress = write_progress  # type: ignore[assignment]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            prepare(corpus, out, tokenizer, getattr(tokenizer, "kind", "gpt2"), options, verbose=False)
+    finally:
+        module.write_progress = real
+
+
+@pytest.mark.parametrize("case", ["one text", "separated texts", "val tokens", "learnt bpe"])
+def test_an_interrupted_prepare_resumes_to_the_same_shards(tmp_path: Path, case: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Interrupted between two commits (documents running across chunks and shards), the same command finishes it
+    with the shards, meta.json and tokenizer of an uninterrupted run: one text split by characters, documents
+    between separators, --val-tokens, and a BPE learnt from the corpus."""
+    monkeypatch.setattr(sources, "BLOCK_BYTES", 1 << 12)
+    docs = shakespeare_documents(60, 3000)
+    text = tmp_path / "text.txt"
+    text.write_text("\n@@@\n".join(docs) if case == "separated texts" else "\n\n".join(docs))
+    jsonl = write_jsonl(tmp_path / "docs.jsonl", docs)
+    tokenizer: Any = {"learnt bpe": TokenizerRecipe("bpe", 400)}.get(case, TokenizerRecipe("char"))
+    split = Split(val_tokens=10_000) if case == "val tokens" else Split(0.1)
+    read = ReadOptions(separator="\n@@@\n") if case == "separated texts" else ReadOptions()
+    options = PrepareOptions(read, split, shard_tokens=15_000, workers=0)
+    inputs = [str(jsonl)] if case in ("val tokens", "learnt bpe") else [str(text)]
+    _interrupted(inputs, tmp_path / "resumed", tokenizer, options, commits=3)
+    assert not (tmp_path / "resumed" / "meta.json").exists()
+    resumed = prepare(inputs, tmp_path / "resumed", tokenizer, getattr(tokenizer, "kind", ""), options, verbose=False)
+    expected = prepare(inputs, tmp_path / "whole", tokenizer, getattr(tokenizer, "kind", ""), options, verbose=False)
+    assert len(expected["files"]) >= 6
+    assert resumed == expected
+    assert shard_hashes(tmp_path / "resumed") == shard_hashes(tmp_path / "whole")
+    assert open_data(tmp_path / "resumed").fingerprint == open_data(tmp_path / "whole").fingerprint
+
+
+def test_separators_and_an_output_inside_an_input_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A separator outside ASCII splits documents; --out inside an input directory is not read as input."""
+    from helpers import run_main
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("erstes Dokument§§zweites§§drittes Dokument")
+    out = corpus / "prepared"
+    args = ["prepare", str(corpus), "--out", str(out), "--tokenizer", "char", "--separator", "§§", "--val-fraction",
+            "0.5"]  # fmt: skip
+    assert run_main(capsys, *args)[0] == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert (meta["splits"]["train"]["documents"], meta["splits"]["val"]["documents"]) == (1, 2)
+    assert [i["path"] for i in meta["inputs"]] == [str(corpus / "a.txt")]
+    code, _, err = run_main(capsys, *args)
+    assert code == 0 and "already prepared" in capsys.readouterr().out + err + _
+
+
+def test_blank_lines_are_no_rows_and_empty_documents_are_counted(tmp_path: Path) -> None:
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('\ufeff{"text": "one"}\n\n   \n{"text": ""}\n{"text": "two"}\n{"text": null}\n{"text": "three"}\n')
+    meta = prepare([str(rows)], tmp_path / "out", TokenizerRecipe("char"), "char", PrepareOptions(split=Split(0.3)),
+                   verbose=False)  # fmt: skip
+    assert meta["empty_documents"] == 2
+    assert (meta["splits"]["val"]["documents"], meta["splits"]["train"]["documents"]) == (2, 1)
+    data, tokens = open_data(tmp_path / "out"), split_tokens(tmp_path / "out")
+    # Documents 0 and 4 of 0.3 of them (empty ones hold their place): "one" and "three"; "two" trains.
+    assert (data.tokenizer.decode(tokens["val"]), data.tokenizer.decode(tokens["train"])) == ("onethree", "two")

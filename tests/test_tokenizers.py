@@ -177,3 +177,22 @@ def test_load_bpe_without_config_or_with_broken_file(bpe: ByteBPETokenizer, tmp_
     (tmp_path / "tokenizer.json").write_text('{"model": 42}')
     with pytest.raises(QkvError, match="not a valid Hugging Face tokenizer file"):
         load_tokenizer(tmp_path)
+
+
+def test_which_tokenizers_cut_like_gpt2() -> None:
+    """Text cut where GPT-2's pre-tokenizer splits keeps its tokens for byte-level BPEs with that pre-tokenizer
+    (digits split first or not) and for characters; not for SentencePiece-style or normalizing tokenizers."""
+    import tokenizers as hf
+
+    from qkv.tokenizers.gpt2 import byte_level_bpe
+
+    vocab, merges = {"a": 0, "b": 1, "ab": 2}, [("a", "b")]
+    assert ByteBPETokenizer.train("to be or not to be " * 20, 300).cuts_like_gpt2()
+    assert ByteBPETokenizer(byte_level_bpe(vocab, merges, split_digits=True)).cuts_like_gpt2()
+    assert CharTokenizer.from_text("ab").cuts_like_gpt2()
+    metaspace = hf.Tokenizer(hf.models.BPE(vocab=vocab, merges=merges))
+    metaspace.pre_tokenizer = hf.pre_tokenizers.Metaspace()
+    normalizing = byte_level_bpe(vocab, merges)
+    normalizing.normalizer = hf.normalizers.NFKC()
+    assert not ByteBPETokenizer(metaspace).cuts_like_gpt2()
+    assert not ByteBPETokenizer(normalizing).cuts_like_gpt2()

@@ -32,7 +32,8 @@ from qkv.config import DecoderLMConfig
 from qkv.data import eval_windows, load_shakespeare, sources
 from qkv.data.batches import eval_batch
 from qkv.data.cache import open_text
-from qkv.data.prepare import PrepareOptions, Split, TokenizerRecipe, prepare
+from qkv.data.options import PrepareOptions, Split, TokenizerRecipe
+from qkv.data.prepare import prepare
 from qkv.errors import QkvError
 from qkv.generation import Sampling, generate, stream
 from qkv.io import files

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,58 @@ BENCHMARKS = {
     "time-to-target": "time_to_target.py",
 }
 BENCHMARKS_DIR = Path(__file__).resolve().parents[2] / "benchmarks"  # src/qkv/bench.py → repository root
+
+
+def status_bytes(field: str, pid: int | str = "self") -> int:
+    """A memory field of /proc/PID/status (VmRSS, VmHWM, RssAnon …) in bytes; 0 once the process is gone."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return 0
+    for line in lines:
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024  # reported in kB
+    raise QkvError(f"/proc/{pid}/status has no {field}")
+
+
+def _descendants(root: int) -> list[int]:
+    """A process and all its descendants, from /proc."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    tree, frontier = [root], [root]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent == frontier[-1]]
+        frontier.pop()
+        tree += children
+        frontier += children
+    return tree
+
+
+class PeakMemory:
+    """The peak of a /proc status field of a running process (tree: summed over it and its descendants), sampled
+    every 20 ms in a thread until stop()."""
+
+    def __init__(self, pid: int, field: str = "VmRSS", tree: bool = False) -> None:
+        self.pid, self.field, self.tree, self.peak = pid, field, tree, 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.02):
+            pids = _descendants(self.pid) if self.tree else [self.pid]
+            self.peak = max(self.peak, sum(status_bytes(self.field, pid) for pid in pids))
+
+    def stop(self) -> int:
+        """Stop sampling; the peak in bytes."""
+        self._done.set()
+        self._thread.join()
+        return self.peak
 
 
 def save_report(path: str | None, report: Any) -> None:

@@ -14,11 +14,10 @@ sorted) and globs. Killed, the same command goes on from the last finished shard
 from __future__ import annotations
 
 import argparse
-import codecs
 from pathlib import Path
 from typing import Any
 
-from qkv.data.prepare import SHARD_TOKENS, Split, TokenizerRecipe
+from qkv.data.options import SHARD_TOKENS, Split, TokenizerRecipe
 from qkv.errors import QkvError
 
 TOKENIZER_NAMES = ("char", "bpe", "gpt2")
@@ -69,11 +68,14 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         return 0
     if not args.out:
         raise QkvError("give --out DATA_DIR: the directory to write the shards to")
-    from qkv.data.prepare import PrepareOptions, prepare
+    from qkv.data.options import PrepareOptions
+    from qkv.data.prepare import prepare
     from qkv.data.sources import ReadOptions
 
     tokenizer = _tokenizer(args)
-    separator = None if args.separator is None else codecs.decode(args.separator, "unicode_escape")
+    # '\n\n' typed in a shell is a backslash and an n: read escapes, keep every other character as it is.
+    separator = None if args.separator is None else args.separator.encode("raw_unicode_escape").decode(
+        "unicode_escape")  # fmt: skip
     read = ReadOptions(args.text_field, args.column, separator, args.errors)
     split = Split(val_tokens=args.val_tokens) if args.val_tokens is not None else Split(
         **({} if args.val_fraction is None else {"val_fraction": args.val_fraction}))  # fmt: skip

@@ -1,8 +1,11 @@
 """Training data: corpora on disk tokenized into shards (`qkv prepare`), read back as windows for training.
 
     sources.py   the inputs: text, .gz, JSON Lines and Parquet files, read as a stream of chunks
+    options.py   what `qkv prepare` is asked for: the tokenizer to make, the split, the shard size
     shards.py    llm.c's .bin token shards: the header, a writer that cannot leave half a shard, the reader
+    workers.py   what a worker process does with a chunk: parse its documents, encode them
     prepare.py   `qkv prepare`: the parallel, resumable pipeline that writes a data directory
+    prepare_state.py   its state on disk: progress.json while it works, meta.json once it is done
     tokens.py    a data directory opened for training: memory-mapped splits, random windows, evaluation windows
     cache.py     a text file (or the embedded Shakespeare) prepared once into a cache keyed by its content
     corpus.py    the embedded Shakespeare corpus
@@ -20,14 +23,13 @@ _EXPORTS = {
     "SHAKESPEARE_SHA256": "qkv.data.corpus",
     "load_shakespeare": "qkv.data.corpus",
     "read_text_file": "qkv.data.corpus",
-    "train_val_split": "qkv.data.corpus",
     "eval_windows": "qkv.data.batches",
     "random_batch": "qkv.data.batches",
 }
 
 if TYPE_CHECKING:
     from qkv.data.batches import eval_windows, random_batch
-    from qkv.data.corpus import SHAKESPEARE_SHA256, load_shakespeare, read_text_file, train_val_split
+    from qkv.data.corpus import SHAKESPEARE_SHA256, load_shakespeare, read_text_file
 
 
 def __getattr__(name: str) -> Any:
@@ -45,5 +47,4 @@ __all__ = [
     "load_shakespeare",
     "random_batch",
     "read_text_file",
-    "train_val_split",
 ]

@@ -12,14 +12,16 @@ from qkv.errors import QkvError
 Tokens: TypeAlias = Any  # a 1-D tensor of token ids, or a qkv.data.tokens.TokenSplit (sliced the same way)
 
 
-def _check_sizes(data: Tokens, block_size: int, batch_size: int) -> None:
-    """Validate the shared arguments of the batch functions."""
+def check_sizes(data: Tokens, block_size: int, batch_size: int, evaluation: bool = False) -> None:
+    """Validate the shared arguments of the batch functions (one-line errors); an evaluation needs 2 tokens."""
     if data.dim() != 1:
         raise QkvError(f"expected a 1-D tensor of token ids, got shape {tuple(data.shape)}")
     if block_size < 1:
         raise QkvError(f"block size must be at least 1, got {block_size}")
     if batch_size < 1:
         raise QkvError(f"batch size must be at least 1, got {batch_size}")
+    if evaluation and len(data) < 2:
+        raise QkvError(f"need at least 2 tokens to evaluate (one input, one target), got {len(data)}")
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -28,6 +30,12 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
         # Pinned (page-locked) memory lets the host-to-GPU copy overlap with compute.
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def random_windows(n_windows: int, count: int, generator: torch.Generator) -> torch.Tensor:
+    """`count` window numbers drawn uniformly from [0, n_windows), from the caller's generator and nowhere else:
+    a run is exactly reproducible from its seed, and one draw of 2B equals two draws of B."""
+    return torch.randint(n_windows, (count,), generator=generator, device=generator.device)
 
 
 def random_starts(n_tokens: int, block_size: int, count: int, generator: torch.Generator) -> torch.Tensor:
@@ -41,7 +49,7 @@ def random_starts(n_tokens: int, block_size: int, count: int, generator: torch.G
             f"block size {block_size} is larger than the data ({n_tokens} tokens): a window needs "
             f"{block_size + 1} tokens; use a smaller block size or a longer text"
         )
-    return torch.randint(n_tokens - block_size, (count,), generator=generator, device=generator.device)
+    return random_windows(n_tokens - block_size, count, generator)
 
 
 def windows_at(
@@ -64,7 +72,7 @@ def random_batch(
     device: torch.device | str = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample `batch_size` random windows: x is (B, T) int64 tokens, y is x shifted left by one."""
-    _check_sizes(data, block_size, batch_size)
+    check_sizes(data, block_size, batch_size)
     return windows_at(data, random_starts(len(data), block_size, batch_size, generator), block_size, device)
 
 
@@ -86,12 +94,9 @@ def eval_windows(data: Tokens, block_size: int, batch_size: int) -> Iterator[tup
     `data` is a 1-D tensor or a memory-mapped split (qkv.data.tokens.TokenSplit); each batch is read
     when it is reached, so a split larger than memory is evaluated in constant memory.
     """
-    _check_sizes(data, block_size, batch_size)
-    n = len(data)
-    if n < 2:
-        raise QkvError(f"need at least 2 tokens to evaluate (one input, one target), got {n}")
+    check_sizes(data, block_size, batch_size, evaluation=True)
     # Validation happens above, eagerly; the generator below only runs when iterated.
-    return (eval_batch(data, *batch) for batch in eval_plan(n, block_size, batch_size))
+    return (eval_batch(data, *batch) for batch in eval_plan(len(data), block_size, batch_size))
 
 
 def eval_plan(n_tokens: int, block_size: int, batch_size: int) -> list[tuple[int, int, int]]:

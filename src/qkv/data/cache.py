@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from qkv.data.corpus import SHAKESPEARE_SHA256, load_shakespeare
-from qkv.data.prepare import PrepareOptions, TokenizerRecipe, prepare
-from qkv.data.prepare_state import META_FILE
+from qkv.data.options import PrepareOptions, TokenizerRecipe
+from qkv.data.prepare import prepare
+from qkv.data.prepare_state import FORMAT, META_FILE
 from qkv.data.tokens import TokenData, open_data
 from qkv.errors import QkvError
 from qkv.io.files import atomic_write_bytes, file_sha256, load_json
@@ -41,17 +42,21 @@ def cache_root() -> Path:
 
 
 def shakespeare_file() -> Path:
-    """The embedded corpus as a plain text file in the cache (written once, hash-checked)."""
+    """The embedded corpus as a plain text file in the cache (written again whenever its sha256 is not the corpus's)."""
     path = cache_root() / "corpora" / f"shakespeare-{SHAKESPEARE_SHA256[:16]}.txt"
-    if not path.is_file() or path.stat().st_size != len(load_shakespeare().encode("utf-8")):
+    if not path.is_file() or file_sha256(path) != SHAKESPEARE_SHA256:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(path, load_shakespeare().encode("utf-8"))
     return path
 
 
 def prepared(source: str | None, tokenizer: Tokenizer | TokenizerRecipe, tokenizer_name: str,
-             options: PrepareOptions = PrepareOptions()) -> Path:  # fmt: skip
-    """The data directory of a text file (None: the embedded Shakespeare) with this tokenizer, prepared if needed."""
+             options: PrepareOptions = PrepareOptions(workers=0)) -> Path:  # fmt: skip
+    """The data directory of a text file (None: the embedded Shakespeare) with this tokenizer, prepared if needed.
+
+    In this process by default: training (and a user's script that calls qkv.train) starts no worker processes of
+    its own. A large corpus is quicker to `qkv prepare` first, with every core.
+    """
     path = shakespeare_file() if source is None else Path(source)
     if not path.is_file():
         raise QkvError(f"text file not found: {path}" if not path.exists() else f"{path} is not a file")
@@ -60,7 +65,8 @@ def prepared(source: str | None, tokenizer: Tokenizer | TokenizerRecipe, tokeniz
         recipe: dict[str, Any] = {"recipe": tokenizer.__dict__}
     else:
         recipe = {"fingerprint": tokenizer.fingerprint()}
-    key = json.dumps([content, tokenizer_name, recipe, options.split.__dict__, options.read.__dict__], sort_keys=True)
+    key = json.dumps([FORMAT, content, tokenizer_name, recipe, options.split.__dict__, options.read.__dict__],
+                     sort_keys=True)  # fmt: skip
     name = "shakespeare" if source is None else path.stem
     directory = cache_root() / "data" / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     with _locked(directory):

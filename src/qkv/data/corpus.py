@@ -1,4 +1,4 @@
-"""Training text: the embedded Shakespeare corpus, user text files, and the train/validation split."""
+"""Training text: the embedded Shakespeare corpus, and whole text files read into memory (translation pairs)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,9 @@ import gzip
 import hashlib
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from qkv.data.sources import as_read
 from qkv.errors import QkvError
-
-if TYPE_CHECKING:
-    import torch
 
 # sha256 of the uncompressed corpus; see SHAKESPEARE.md for how it is built from a pinned source.
 SHAKESPEARE_SHA256 = "1412cb28b622df1847142028209c72346b548e99f52e84290bc0938fd9ff774c"
@@ -59,22 +56,8 @@ def read_text_file(path: str | Path) -> str:
         raise QkvError(
             f"{path} is not valid UTF-8: byte 0x{bad} at byte offset {err.start}; re-save the file as UTF-8"
         ) from err
-    # Same convention as text-mode open(): \r\n and \r become \n, so a file's vocabulary and
-    # token counts do not depend on the platform it was saved on.
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    text = as_read(text)
     if not text.strip():
         what = "empty" if not text else "whitespace only"
         raise QkvError(f"{path} is {what}; a training text needs at least some characters")
     return text
-
-
-def train_val_split(ids: torch.Tensor, train_fraction: float = 0.9) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split a 1-D token tensor into its first `train_fraction` (train) and the rest (validation)."""
-    if not 0.0 < train_fraction < 1.0:
-        raise QkvError(f"train fraction must be between 0 and 1 (exclusive), got {train_fraction}")
-    if ids.dim() != 1:
-        raise QkvError(f"expected a 1-D tensor of token ids, got shape {tuple(ids.shape)}")
-    # A contiguous split (as nanoGPT's shakespeare_char does) rather than a random one: validation
-    # windows then never overlap training windows, so the validation loss measures generalisation.
-    n = int(train_fraction * len(ids))
-    return ids[:n], ids[n:]

@@ -21,13 +21,12 @@ goes on from it. The shards are byte for byte those of an uninterrupted run.
 from __future__ import annotations
 
 import dataclasses
-import math
+import json
 import multiprocessing
 import os
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from qkv.data import sources
+from qkv.data.options import TRAIN_FRACTION, PrepareOptions, TokenizerRecipe
 from qkv.data.prepare_state import (
     META_FILE,
     PROGRESS_FILE,
@@ -44,70 +44,12 @@ from qkv.data.prepare_state import (
     write_progress,
 )
 from qkv.data.shards import ShardWriter, dtype_of, magic_for
-from qkv.data.sources import Chunk, Position, ReadOptions, expand_inputs, read_chunks, single_document
+from qkv.data.sources import Chunk, Position, expand_inputs, read_chunks, single_document
 from qkv.data.workers import count_documents, encode, ordered_map, sample_texts, scan
 from qkv.errors import QkvError
 from qkv.io.files import file_sha256
 from qkv.io.progress import ProgressLine, clock
-from qkv.tokenizers import ENDOFTEXT, ByteBPETokenizer, CharTokenizer, Tokenizer, load_tokenizer
-
-SHARD_TOKENS = 100_000_000  # llm.c's FineWeb shards hold 10⁸ tokens
-TRAIN_FRACTION = 0.9  # a single document: the first 90 % of its characters train
-
-
-@dataclass(frozen=True)
-class TokenizerRecipe:
-    """A tokenizer that `prepare` makes from the corpus: char (its characters) or a byte-level BPE."""
-
-    kind: str
-    vocab_size: int = 8192  # bpe
-    sample_bytes: int = 50_000_000  # bpe: text it learns from, spread over the training documents
-    special_tokens: tuple[str, ...] = (ENDOFTEXT,)  # bpe: the vocabulary's first ids
-
-    def __post_init__(self) -> None:
-        """Refuse an unknown kind and a sample of nothing."""
-        if self.kind not in ("char", "bpe"):
-            raise QkvError(f"a tokenizer made from the corpus is char or bpe, not {self.kind!r}")
-        if self.sample_bytes < 1:
-            raise QkvError(f"--sample-bytes must be positive, got {self.sample_bytes}")
-
-
-@dataclass(frozen=True)
-class Split:
-    """How validation documents are chosen: a fraction of them (every k-th), or the first up to a token count."""
-
-    val_fraction: float = 0.01
-    val_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        """Refuse fractions outside (0, 1) and counts below 1."""
-        if not 0 < self.val_fraction < 1:
-            raise QkvError(f"--val-fraction must be between 0 and 1 (exclusive), got {self.val_fraction}")
-        if self.val_tokens is not None and self.val_tokens < 1:
-            raise QkvError(f"--val-tokens must be positive, got {self.val_tokens}")
-
-    def is_val(self, doc: int, val_tokens_so_far: int) -> bool:
-        """Whether document `doc` (0, 1, …) is held out, given the validation tokens before it."""
-        if self.val_tokens is not None:
-            return val_tokens_so_far < self.val_tokens
-        return doc == 0 or math.floor(doc * self.val_fraction) > math.floor((doc - 1) * self.val_fraction)
-
-
-@dataclass(frozen=True)
-class PrepareOptions:
-    """Everything besides the inputs and the tokenizer that decides what `prepare` writes, and how fast."""
-
-    read: ReadOptions = ReadOptions()
-    split: Split = Split()
-    shard_tokens: int = SHARD_TOKENS
-    workers: int | None = None  # processes (None: one per core; 0: none, all in this process)
-
-    def __post_init__(self) -> None:
-        """Refuse shard sizes below 1 and negative worker counts."""
-        if not 1 <= self.shard_tokens < 2**31:
-            raise QkvError(f"--shard-tokens must be between 1 and 2³¹ − 1, got {self.shard_tokens}")
-        if self.workers is not None and self.workers < 0:
-            raise QkvError(f"--workers must be ≥ 0, got {self.workers}")
+from qkv.tokenizers import ByteBPETokenizer, CharTokenizer, Tokenizer, load_tokenizer
 
 
 def prepare(
@@ -122,11 +64,13 @@ def prepare(
 
     tokenizer: a ready one (GPT-2's, a run's, a checkpoint's: `tokenizer_name` says which) or a recipe.
     """
-    paths = expand_inputs(inputs)
+    out = Path(out)
+    paths = [p for p in expand_inputs(inputs) if out.resolve() not in p.parents]  # never its own output
     if not any(p.stat().st_size for p in paths):
         what = f"{paths[0]} is empty" if len(paths) == 1 else f"all {len(paths)} inputs are empty"
         raise QkvError(f"{what}; a corpus needs at least some text")
-    out = Path(out)
+    if not isinstance(tokenizer, TokenizerRecipe) and not tokenizer.cuts_like_gpt2():  # its documents read whole
+        options = dataclasses.replace(options, read=dataclasses.replace(options.read, cut_documents=False))
     settings = _settings(paths, tokenizer, tokenizer_name, options)
     state = open_output(out, settings)
     if state.meta is not None:  # prepared already by the same command
@@ -166,8 +110,9 @@ def _settings(paths: list[Path], tokenizer: Tokenizer | TokenizerRecipe, name: s
     for p in paths:
         stat = p.stat()
         files.append({"path": str(p), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns})
-    return {"inputs": files, "tokenizer": tok, "read": dataclasses.asdict(options.read),
-            "split": dataclasses.asdict(options.split), "shard_tokens": options.shard_tokens}  # fmt: skip
+    settings = {"inputs": files, "tokenizer": tok, "read": dataclasses.asdict(options.read),
+                "split": dataclasses.asdict(options.split), "shard_tokens": options.shard_tokens}  # fmt: skip
+    return json.loads(json.dumps(settings))  # as progress.json and meta.json give them back (lists, not tuples)
 
 
 class _Workers:
@@ -217,60 +162,65 @@ class _Run:
     def tokenizer(self, given: Tokenizer | TokenizerRecipe, name: str) -> Tokenizer:
         """The run's tokenizer, saved in the output: given, made from the corpus, or (resumed) read back."""
         state = self.state
-        if self.single and state.boundary is None:
-            state.boundary = int(TRAIN_FRACTION * self._count_chars())
+        recipe = given if isinstance(given, TokenizerRecipe) else None
+        alphabet: set[str] = set()
+        char_recipe = recipe is not None and recipe.kind == "char" and not state.tokenizer_ready
+        if (self.single and state.boundary is None) or char_recipe:
+            alphabet, characters = self._scan()
+            state.boundary = int(TRAIN_FRACTION * characters) if self.single else None
         if state.tokenizer_ready:
             return load_tokenizer(self.out)
-        if isinstance(given, TokenizerRecipe):
+        if recipe is not None:
             self.progress.log(f"qkv prepare: learning a {name} vocabulary from the corpus …")
-            given = self._fit(given)
+            if recipe.kind == "bpe":
+                given = ByteBPETokenizer.train(self._sample(recipe.sample_bytes), recipe.vocab_size,
+                                               recipe.special_tokens)  # fmt: skip
+            elif alphabet:
+                given = CharTokenizer(sorted(alphabet))
+            else:
+                raise QkvError("the inputs hold no text: every document is empty")
+        assert not isinstance(given, TokenizerRecipe)
         given.save(self.out)
         state.tokenizer_ready = True
         write_progress(self.out, state)
         return given
 
-    def _count_chars(self) -> int:
-        """The characters of a single text file (the first pass of its 90 / 10 split)."""
+    def _scan(self) -> tuple[set[str], int]:
+        """Every character of the corpus, and how many there are (one pass, by the workers)."""
+        alphabet, characters = set(), 0
         chunks = read_chunks(self.paths, self.read, Position())
-        return sum(len(piece) for chunk in chunks for piece in chunk.payload)
-
-    def _fit(self, recipe: TokenizerRecipe) -> Tokenizer:
-        """A char vocabulary of every character, or a BPE learnt from a sample of the training text."""
-        if recipe.kind == "char":
-            alphabet: set[str] = set()
-            for _, (chars, _) in ordered_map(partial(scan, options=self.read), self.chunks(), self.pool, self.depth):
-                alphabet |= chars
-            if not alphabet:
-                raise QkvError("the inputs hold no text: every document is empty")
-            return CharTokenizer(sorted(alphabet))
-        return ByteBPETokenizer.train(self._sample(recipe.sample_bytes), recipe.vocab_size, recipe.special_tokens)
+        for _, (chars, count) in ordered_map(partial(scan, options=self.read), chunks, self.pool, self.depth):
+            alphabet |= chars
+            characters += count
+        return alphabet, characters
 
     def _sample(self, budget: int) -> list[str]:
-        """About `budget` bytes of training text: the start of a single document's training part, or whole chunks
-        spread evenly over a corpus of documents."""
-        stride = 1 if self.single else max(1, math.ceil(self.total_bytes / budget))
+        """About `budget` bytes of training text: the start of a single text's training part, or chunks taken as the
+        reading goes so that the sample keeps up with budget × (bytes read / all bytes): spread over the corpus,
+        compressed files and Parquet included."""
         texts: list[str] = []
         size = doc = 0
-        for n, chunk in enumerate(self.chunks()):
-            if n % stride == 0:
+        for chunk in self.chunks():
+            done = self.before[chunk.at.input] + chunk.consumed
+            if self.single or size < budget * done / self.total_bytes:
                 for text in sample_texts(chunk, self.read, self._train_mask(chunk, doc)):
                     if size < budget:
                         texts.append(text[: budget - size])
                         size += len(texts[-1].encode("utf-8", "surrogatepass"))
             if size >= budget:
                 break
-            doc += count_documents(chunk, self.read)
+            doc += count_documents(chunk)
         if not size:
             raise QkvError("the inputs hold no training text to learn a vocabulary from")
         return texts
 
     def _train_mask(self, chunk: Chunk, first_doc: int) -> list[bool] | None:
-        """Which of a chunk's pieces are training text (None: all; --val-tokens needs the tokenizer to tell)."""
+        """Which of a chunk's pieces are training text (None: all; with --val-tokens only the tokenizer could tell)."""
         if chunk.splits is not None:
             return [s == "train" for s in chunk.splits]
         if self.options.split.val_tokens is not None:
             return None
-        ends = chunk.ends if chunk.kind == "text" else [True] * count_documents(chunk, self.read)
+        ends = chunk.ends if chunk.kind == "text" else [True] * count_documents(chunk)
         mask, doc = [], first_doc
         for end in ends:
             mask.append(not self.options.split.is_val(doc, 0))
@@ -341,8 +291,8 @@ class _Run:
 
     def _new_writer(self, split: str, writers: dict[str, ShardWriter | None]) -> ShardWriter:
         """The next shard of a split, opened."""
-        c = self.state.c
-        writer = writers[split] = ShardWriter(self.out / f"{split}_{c.next_shard[split]:06d}.bin", self.state.magic)
+        number = sum(f["split"] == split for f in self.state.files)
+        writer = writers[split] = ShardWriter(self.out / f"{split}_{number:06d}.bin", self.state.magic)
         return writer
 
     def _commit(self, writers: dict[str, ShardWriter | None]) -> None:
@@ -352,11 +302,9 @@ class _Run:
             if writer is None:
                 continue
             path = writer.commit()
+            before = sum(f["text_bytes"] for f in state.files if f["split"] == split)
             state.files.append({"file": path.name, "split": split, "tokens": writer.count,
-                                "text_bytes": c.text_bytes[split] - c.committed_bytes[split],
-                                "sha256": file_sha256(path)})  # fmt: skip
-            c.committed_bytes[split] = c.text_bytes[split]
-            c.next_shard[split] += 1
+                                "text_bytes": c.text_bytes[split] - before, "sha256": file_sha256(path)})  # fmt: skip
             writers[split] = None
         write_progress(self.out, state)
 
@@ -389,12 +337,12 @@ def _split_pieces(chunk: Chunk, boundary: int | None) -> Chunk:
 
 
 def _summary(meta: dict[str, Any], out: Path, seconds: float) -> str:
-    """The closing lines: the time taken, then documents, tokens and shards per split."""
+    """The closing lines: the time taken, the split's rule, then documents, tokens and shards per split."""
     size = sum(i["bytes"] for i in meta["inputs"])
     tok = meta["tokenizer"]
     took = f"{seconds:.1f} s" if seconds < 60 else clock(seconds)
     lines = [f"prepared {out} in {took} ({size / 1e6:,.1f} MB of input, {size / 1e6 / seconds:,.1f} MB/s): "
-             f"tokenizer {tok['name']} ({tok['vocab_size']:,} tokens)"]  # fmt: skip
+             f"tokenizer {tok['name']} ({tok['vocab_size']:,} tokens); validation: {meta['split_rule']}"]  # fmt: skip
     for split in ("train", "val"):
         s = meta["splits"][split]
         shards = sum(f["split"] == split for f in meta["files"])
@@ -403,4 +351,4 @@ def _summary(meta: dict[str, Any], out: Path, seconds: float) -> str:
     return "\n".join([*lines, f"train on it: qkv train --data {out}"])
 
 
-__all__ = ["META_FILE", "PROGRESS_FILE", "PrepareOptions", "Split", "TokenizerRecipe", "prepare"]
+__all__ = ["META_FILE", "PROGRESS_FILE", "prepare"]

@@ -39,8 +39,6 @@ class Counters:
     docs: dict[str, int] = field(default_factory=_per_split)
     tokens: dict[str, int] = field(default_factory=_per_split)
     text_bytes: dict[str, int] = field(default_factory=_per_split)
-    committed_bytes: dict[str, int] = field(default_factory=_per_split)  # text bytes in closed shards
-    next_shard: dict[str, int] = field(default_factory=_per_split)
     in_document: bool = False  # a document goes on in the next chunk (a long text cut into pieces)
     document_tokens: int = 0
     split: str = "train"
@@ -52,7 +50,6 @@ class PrepareState:
 
     settings: dict[str, Any]
     meta: dict[str, Any] | None = None  # finished already
-    resumed: bool = False
     created: bool = False  # the directory was made by this run (and holds nothing else)
     tokenizer_ready: bool = False
     position: Position = Position()
@@ -61,7 +58,7 @@ class PrepareState:
     c: Counters = field(default_factory=Counters)
     counts: np.ndarray | None = None  # how often each token occurs in the training split
     stats: list[InputStats] = field(default_factory=list)
-    magic: int = 0
+    magic: int = 0  # the shards' format, set when encoding starts (qkv.data.shards.magic_for)
 
 
 def open_output(out: Path, settings: dict[str, Any]) -> PrepareState:
@@ -104,7 +101,6 @@ def _difference(old: Any, new: dict[str, Any]) -> str:
 
 def _restore(saved: dict[str, Any], state: PrepareState) -> PrepareState:
     """The state progress.json recorded (the place after the last committed shards)."""
-    state.resumed = True
     state.tokenizer_ready = bool(saved.get("tokenizer_ready"))
     state.position = Position(**saved["position"])
     state.boundary = saved.get("boundary")
@@ -112,7 +108,6 @@ def _restore(saved: dict[str, Any], state: PrepareState) -> PrepareState:
     state.c = Counters(**saved["counters"])
     state.counts = None if saved.get("counts") is None else np.array(saved["counts"], dtype=np.int64)
     state.stats = [InputStats(**s) for s in saved["stats"]]
-    state.magic = int(saved.get("magic", 0))
     return state
 
 
@@ -132,7 +127,7 @@ def write_progress(out: Path, state: PrepareState) -> None:
         "format": FORMAT, "settings": state.settings, "tokenizer_ready": state.tokenizer_ready,
         "position": dataclasses.asdict(state.position), "boundary": state.boundary, "files": state.files,
         "counters": dataclasses.asdict(state.c), "counts": None if state.counts is None else state.counts.tolist(),
-        "stats": [dataclasses.asdict(s) for s in state.stats], "magic": state.magic,
+        "stats": [dataclasses.asdict(s) for s in state.stats],
     })  # fmt: skip
 
 
@@ -150,6 +145,7 @@ def finished_meta(out: Path, state: PrepareState, tok: Tokenizer, name: str, set
                       "fingerprint": tok.fingerprint()},
         "shard_format": {"magic": state.magic, "dtype": dtype_of(state.magic).name, "header_bytes": HEADER_BYTES},
         "splits": {s: {"documents": c.docs[s], "tokens": c.tokens[s], "text_bytes": c.text_bytes[s]} for s in SPLITS},
+        "split_rule": _split_rule(state),
         "empty_documents": c.empty,
         "commonest_train_token": int(np.argmax(counts)),
         "files": state.files,
@@ -161,6 +157,16 @@ def finished_meta(out: Path, state: PrepareState, tok: Tokenizer, name: str, set
     (out / PROGRESS_FILE).unlink()
     fsync_directory(out)
     return meta
+
+
+def _split_rule(state: PrepareState) -> str:
+    """How the validation split was chosen, in words."""
+    split = state.settings["split"]
+    if state.boundary is not None:
+        return f"the last 10 % of one text's characters (from character {state.boundary:,} on)"
+    if split["val_tokens"] is not None:
+        return f"the first documents, until {split['val_tokens']:,} tokens"
+    return f"{split['val_fraction']:.2%} of the documents, spread evenly, the first one included"
 
 
 def _empty_split_message(split: str, state: PrepareState) -> str:

@@ -8,7 +8,7 @@ A shard is a 1,024-byte header of 256 little-endian int32 values, then the token
     header[3:] zero
 
 so a shard of n tokens is exactly 1024 + n · 2 (or n · 4) bytes. qkv writes uint16 whenever the
-vocabulary fits (< 65,536 tokens, GPT-2's 50,257 included) and uint32 above. Reading checks the header
+vocabulary fits (up to 65,536 tokens, GPT-2's 50,257 included) and uint32 above. Reading checks the header
 and the file's size only; the tokens are memory-mapped, never read whole.
 """
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import IO, Any, cast
 
 from qkv.errors import QkvError
+from qkv.io.files import file_sha256
 
 BLOCK_BYTES = 1 << 22  # 4 MiB of input per chunk
 MAX_PIECE_CHARS = 1 << 24  # a piece with no safe cut in it is cut here anyway (16 Mi characters without a space)
@@ -40,13 +41,30 @@ class ReadOptions:
     column: str = "text"  # Parquet
     separator: str | None = None  # text files: the string between documents (none: a file is a document)
     errors: str = "strict"  # bytes that are not UTF-8: "strict" (stop, naming the offset) or "replace"
+    # Long documents are cut into pieces where GPT-2's pre-tokenizer splits anyway (see safe_cut): right for the
+    # char tokenizer and byte-level BPEs, not for others, whose documents are read whole (qkv.data.prepare decides).
+    cut_documents: bool = True
 
     def __post_init__(self) -> None:
-        """Refuse an unknown error policy and an empty separator."""
+        """Refuse an unknown error policy, and a separator that is empty or could never match."""
         if self.errors not in ("strict", "replace"):
             raise QkvError(f"--errors must be strict or replace, got {self.errors!r}")
         if self.separator == "":
             raise QkvError("--separator is empty; give the text that separates documents")
+        if self.separator is not None and "\r" in self.separator:
+            raise QkvError("--separator is matched in text whose line breaks are read as \\n; write \\n, not \\r")
+
+
+def as_read(text: str) -> str:
+    """Text with its line breaks as qkv reads them: \\r\\n and \\r become \\n, as text-mode open() does, so that a
+    file's tokens do not depend on the system it was saved on."""
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def not_utf8(source: str, bad: bytes, offset: int, where: str = "") -> QkvError:
+    """The one-line error for a byte that is not UTF-8 at `offset` (`where`: " of its decompressed text", say)."""
+    return QkvError(f"{source} is not valid UTF-8: byte 0x{bad[:1].hex()} at byte offset {offset:,}{where}; re-save "
+                    "it as UTF-8, or prepare it with `qkv prepare --errors replace` (bad bytes become U+FFFD)")
 
 
 @dataclass(frozen=True)
@@ -153,7 +171,7 @@ def read_chunks(paths: list[Path], options: ReadOptions, start: Position, stats:
         skip = start.chunk if index == start.input else 0
         kind = kind_of(path)
         if kind == "parquet":
-            chunks = _parquet_chunks(path, index, options)
+            chunks = _parquet_chunks(path, index, options, skip)
         else:
             raw = open(path, "rb")  # noqa: SIM115 (closed below, after the generator is done)
             hashing = _HashingReader(raw)
@@ -176,17 +194,8 @@ def read_chunks(paths: list[Path], options: ReadOptions, start: Position, stats:
             if kind != "parquet":
                 raw.close()
         if stats is not None:
-            digest = _sha256(path) if kind == "parquet" else hashing.sha256.hexdigest()
+            digest = file_sha256(path) if kind == "parquet" else hashing.sha256.hexdigest()
             stats[index] = InputStats(digest, path.stat().st_size)
-
-
-def _sha256(path: Path) -> str:
-    """A file's sha256, read in blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(BLOCK_BYTES):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _jsonl_chunks(stream: Any, path: Path, index: int) -> Iterator[Chunk]:
@@ -219,19 +228,13 @@ def _text_chunks(stream: Any, path: Path, index: int, options: ReadOptions) -> I
             text = decoder.decode(block, final=not block)
         except UnicodeDecodeError as e:
             held = decoder.getstate()[0]
-            bad = (held + block)[e.start : e.start + 1].hex()
             where = " of its decompressed text" if path.name.lower().endswith(".gz") else ""
-            at = offset - len(held) + e.start
-            raise QkvError(f"{path} is not valid UTF-8: byte 0x{bad} at byte offset {at:,}{where}; re-save it as "
-                           f"UTF-8, or prepare it with `qkv prepare --errors replace` (bad bytes become U+FFFD)"
-                           ) from None  # fmt: skip
+            raise not_utf8(str(path), (held + block)[e.start :], offset - len(held) + e.start, where) from None
         offset += len(block)
-        # \r\n and \r become \n, as text-mode open() reads them; a \r at the end waits for a possible \n.
         pending += text
-        keep_cr = bool(block) and pending.endswith("\r")
-        body = pending[:-1] if keep_cr else pending
-        body = body.replace("\r\n", "\n").replace("\r", "\n")
-        pieces, ends, rest = _cut(body, options.separator, final=not block)
+        keep_cr = bool(block) and pending.endswith("\r")  # it may be the first half of a \r\n
+        body = as_read(pending[:-1] if keep_cr else pending)
+        pieces, ends, rest = _cut(body, options, final=not block)
         pending = rest + ("\r" if keep_cr else "")
         if pieces:
             yield Chunk("text", pieces, str(path), Position(index, n), ends, chars=chars)
@@ -240,10 +243,11 @@ def _text_chunks(stream: Any, path: Path, index: int, options: ReadOptions) -> I
             return
 
 
-def _cut(text: str, separator: str | None, final: bool) -> tuple[list[str], list[bool], str]:
+def _cut(text: str, options: ReadOptions, final: bool) -> tuple[list[str], list[bool], str]:
     """Split buffered text into finished pieces (and whether each ends a document) and what stays buffered."""
     pieces: list[str] = []
     ends: list[bool] = []
+    separator = options.separator
     if separator is not None:
         *docs, text = text.split(separator)
         pieces += docs
@@ -252,7 +256,7 @@ def _cut(text: str, separator: str | None, final: bool) -> tuple[list[str], list
         pieces.append(text)
         ends.append(True)
         return pieces, ends, ""
-    if len(text) >= BLOCK_BYTES:
+    if len(text) >= BLOCK_BYTES and options.cut_documents:
         # The end of the buffer may hold the start of a separator: no cut there.
         cut = safe_cut(text[: len(text) - len(separator)] if separator else text)
         if cut:
@@ -276,8 +280,8 @@ def safe_cut(text: str) -> int:
     return len(text) if len(text) >= MAX_PIECE_CHARS else 0
 
 
-def _parquet_chunks(path: Path, index: int, options: ReadOptions) -> Iterator[Chunk]:
-    """Batches of a Parquet file's text column."""
+def _parquet_chunks(path: Path, index: int, options: ReadOptions, skip: int) -> Iterator[Chunk]:
+    """Batches of a Parquet file's text column (the first `skip` not converted: a resumed run passes them)."""
     from qkv.extras import require
 
     pq = require("pyarrow.parquet", "data", "reading Parquet files")
@@ -295,4 +299,5 @@ def _parquet_chunks(path: Path, index: int, options: ReadOptions) -> Iterator[Ch
     size, rows, done = path.stat().st_size, max(1, table.metadata.num_rows), 0
     for n, batch in enumerate(table.iter_batches(batch_size=1024, columns=[options.column])):
         done += batch.num_rows
-        yield Chunk("rows", batch.column(0).to_pylist(), str(path), Position(index, n), consumed=size * done // rows)
+        values = batch.column(0).to_pylist() if n >= skip else []
+        yield Chunk("rows", values, str(path), Position(index, n), consumed=size * done // rows)

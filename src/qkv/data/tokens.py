@@ -37,6 +37,7 @@ class TokenSplit:
         self.vocab_size = vocab_size
         self.sizes = np.array([s.count for s in self.shards], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)])  # where each shard starts in the sequence
+        self._per_shard: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     @cached_property
     def arrays(self) -> list[np.ndarray]:
@@ -49,13 +50,12 @@ class TokenSplit:
 
     def window_count(self, block_size: int) -> int:
         """How many windows of block_size + 1 tokens start in the split (each within one shard)."""
-        return int(np.maximum(self.sizes - block_size, 0).sum())
+        return int(self._windows_per_shard(block_size)[0].sum())
 
     def windows(self, starts: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
         """The windows numbered `starts` (0 … window_count − 1, shard after shard): x (B, T) int64 tokens and y,
         x shifted left by one. With one shard, window i starts at token i, as in an in-memory sequence."""
-        per_shard = np.maximum(self.sizes - block_size, 0)
-        bounds = np.cumsum(per_shard)
+        per_shard, bounds = self._windows_per_shard(block_size)
         index = starts.numpy()
         shard = np.searchsorted(bounds, index, side="right")  # (B,) the shard each window lies in
         local = index - (bounds[shard] - per_shard[shard])
@@ -65,6 +65,13 @@ class TokenSplit:
         self._check(rows, shard.tolist())
         windows = torch.from_numpy(rows)
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+    def _windows_per_shard(self, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """How many windows start in each shard, and their running total (worked out once per block size)."""
+        if block_size not in self._per_shard:
+            per_shard = np.maximum(self.sizes - block_size, 0)
+            self._per_shard[block_size] = per_shard, np.cumsum(per_shard)
+        return self._per_shard[block_size]
 
     def __getitem__(self, item: slice) -> Tensor:
         """Tokens [start, stop) of the split as an int64 tensor (read across shards)."""
@@ -81,8 +88,7 @@ class TokenSplit:
                 part = self.arrays[s][max(start, lo) - lo : min(stop, hi) - lo]
                 self._check(part, [s])
                 parts.append(part)
-        data = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        return torch.from_numpy(data.astype(np.int64))
+        return torch.from_numpy(np.concatenate(parts, dtype=np.int64) if parts else np.zeros(0, dtype=np.int64))
 
     def _check(self, tokens: np.ndarray, shards: list[int]) -> None:
         """A one-line error naming the shard when a token id is outside the vocabulary."""

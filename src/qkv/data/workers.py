@@ -5,6 +5,7 @@ stays small; with `--workers 0` the same functions run in the main process.
 
 from __future__ import annotations
 
+import codecs
 import itertools
 import json
 from collections import deque
@@ -15,7 +16,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from qkv.data.sources import Chunk, ReadOptions
+from qkv.data.sources import Chunk, ReadOptions, as_read, not_utf8
 from qkv.errors import QkvError
 from qkv.tokenizers import Tokenizer, load_tokenizer
 
@@ -39,28 +40,30 @@ def documents(chunk: Chunk, options: ReadOptions) -> tuple[list[str], list[bool]
     if chunk.kind == "text":
         return chunk.payload, chunk.ends
     if chunk.kind == "rows":
-        return [_lines_as_read("" if v is None else v) for v in chunk.payload], [True] * len(chunk.payload)
-    texts = [_field(line, n, chunk, options) for n, line in enumerate(_lines(chunk, options)) if line.strip()]
+        return [as_read("" if v is None else v) for v in chunk.payload], [True] * len(chunk.payload)
+    texts = [_field(line, n, at, chunk, options) for n, at, line in json_rows(chunk)]
     return texts, [True] * len(texts)
 
 
-def _lines(chunk: Chunk, options: ReadOptions) -> list[str]:
-    """A JSON Lines block decoded; bytes that are not UTF-8 are refused with their offset (or replaced)."""
-    encoding = "utf-8-sig" if chunk.offset == 0 else "utf-8"  # a byte-order mark opens the file, not a row
-    try:
-        return chunk.payload.decode(encoding, options.errors).split("\n")
-    except UnicodeDecodeError as e:
-        bad = chunk.payload[e.start : e.start + 1].hex()
-        raise QkvError(f"{chunk.source} is not valid UTF-8: byte 0x{bad} at byte offset {chunk.offset + e.start:,}; "
-                       "re-save it as UTF-8, or prepare it with `qkv prepare --errors replace` (bad bytes become "
-                       "U+FFFD)") from None  # fmt: skip
+def json_rows(chunk: Chunk) -> list[tuple[int, int, bytes]]:
+    """A JSON Lines block's rows, as (line index, byte offset in the block, raw line): its lines that are not blank,
+    after the byte-order mark that may open the file."""
+    start = 3 if chunk.offset == 0 and chunk.payload.startswith(codecs.BOM_UTF8) else 0
+    rows, at = [], start
+    for n, line in enumerate(chunk.payload[start:].split(b"\n")):
+        if line.strip():
+            rows.append((n, at, line))
+        at += len(line) + 1
+    return rows
 
 
-def _field(line: str, n: int, chunk: Chunk, options: ReadOptions) -> str:
+def _field(line: bytes, n: int, at: int, chunk: Chunk, options: ReadOptions) -> str:
     """The text field of one JSON Lines row, or a one-line error naming the file and the line."""
     where = f"{chunk.source} line {chunk.first_line + n:,}" if chunk.first_line > 0 else chunk.source
     try:
-        row = json.loads(line)
+        row = json.loads(line.decode("utf-8", options.errors))
+    except UnicodeDecodeError as e:
+        raise not_utf8(chunk.source, line[e.start :], chunk.offset + at + e.start) from None
     except json.JSONDecodeError as e:
         raise QkvError(f"{where} is not valid JSON ({e.msg}, column {e.colno})") from None
     if not isinstance(row, dict) or options.text_field not in row:
@@ -72,24 +75,19 @@ def _field(line: str, n: int, chunk: Chunk, options: ReadOptions) -> str:
         return ""
     if not isinstance(text, str):
         raise QkvError(f"{where}: field {options.text_field!r} holds {type(text).__name__}, not text")
-    return _lines_as_read(text)
-
-
-def _lines_as_read(text: str) -> str:
-    """\r\n and \r as \n, as in text files."""
-    return text.replace("\r\n", "\n").replace("\r", "\n")
+    return as_read(text)
 
 
 def scan(chunk: Chunk, options: ReadOptions) -> tuple[set[str], int]:
-    """The distinct characters of a chunk and how many documents end in it (a char vocabulary's first pass)."""
-    texts, ends = documents(chunk, options)
-    return set().union(*map(set, texts)), sum(ends)
+    """The distinct characters of a chunk and how many there are (a char vocabulary's pass, a single text's split)."""
+    texts, _ = documents(chunk, options)
+    return set().union(*map(set, texts)), sum(map(len, texts))
 
 
-def count_documents(chunk: Chunk, options: ReadOptions) -> int:
-    """How many documents end in a chunk, without parsing JSON (a non-blank line is one row)."""
+def count_documents(chunk: Chunk) -> int:
+    """How many documents end in a chunk, without decoding it."""
     if chunk.kind == "jsonl":
-        return sum(1 for line in chunk.payload.split(b"\n") if line.strip())
+        return len(json_rows(chunk))
     return sum(chunk.ends) if chunk.kind == "text" else len(chunk.payload)
 
 

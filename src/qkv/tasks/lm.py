@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from qkv.config import DecoderLMConfig
-from qkv.data.batches import to_device
-from qkv.data.prepare import TokenizerRecipe
+from qkv.data.batches import random_windows, to_device
+from qkv.data.options import TokenizerRecipe
 from qkv.data.tokens import TokenData, TokenSplit
 from qkv.errors import QkvError
 from qkv.generation import Sampling, stream
@@ -158,7 +158,7 @@ class LMTask(Task):
     def draw(self, generator: torch.Generator, budget: int, parts: int) -> Tensor:
         """`budget` random windows of the training split (numbered across its shards)."""
         assert self.train is not None
-        return torch.randint(self.train.window_count(self.cfg.block_size), (budget,), generator=generator)
+        return random_windows(self.train.window_count(self.cfg.block_size), budget, generator)
 
     def collate(self, examples: Sequence[Any], device: torch.device) -> LMBatch:
         """The windows drawn."""

