@@ -128,6 +128,21 @@ def write_jsonl(path: Path, docs: list[str]) -> Path:
     return path
 
 
+def shard_dir(root: Path) -> Path:
+    """root/data: 120 documents (char tokens, 1 in 10 held out) in training shards of about 20,000 tokens."""
+    from qkv.data import sources
+    from qkv.data.options import PrepareOptions, Split, TokenizerRecipe
+    from qkv.data.prepare import prepare
+
+    corpus = write_jsonl(root / "docs.jsonl", shakespeare_documents())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sources, "BLOCK_BYTES", 1 << 14)  # small chunks: a shard can close every 20,000 tokens
+        options = PrepareOptions(split=Split(0.1), shard_tokens=20_000, workers=0)
+        meta = prepare([str(corpus)], root / "data", TokenizerRecipe("char"), "char", options, verbose=False)
+    assert sum(f["split"] == "train" for f in meta["files"]) >= 5
+    return root / "data"
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     """The environment of a `python -m qkv` subprocess: one thread (like one_thread()), unbuffered output."""
     import os

@@ -24,14 +24,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import one_thread, shakespeare_documents, write_jsonl
+from helpers import one_thread, shard_dir
 
 import qkv
 from qkv.config import DecoderLMConfig
-from qkv.data import load_shakespeare, sources
+from qkv.data import load_shakespeare
 from qkv.data.cache import open_text
-from qkv.data.options import PrepareOptions, Split, TokenizerRecipe
-from qkv.data.prepare import prepare
 from qkv.io.files import load_safetensors
 from qkv.models import DecoderLM
 from qkv.tasks import load, train
@@ -147,17 +145,11 @@ def test_two_ddp_processes_equal_one_process_with_twice_the_batch(single: Path, 
 
 def test_two_ddp_processes_on_shards_equal_one_process_with_twice_the_batch(tmp_path: Path) -> None:
     """The same on a data directory of several shards (random windows drawn across them): 2 gloo ranks × 4 = 1 × 8."""
-    docs = write_jsonl(tmp_path / "docs.jsonl", shakespeare_documents())
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sources, "BLOCK_BYTES", 1 << 14)
-        options = PrepareOptions(split=Split(0.1), shard_tokens=20_000, workers=0)
-        meta = prepare([str(docs)], tmp_path / "data", TokenizerRecipe("char"), "char", options, verbose=False)
-    assert sum(f["split"] == "train" for f in meta["files"]) >= 5
+    data = shard_dir(tmp_path)
     single_run, ddp_run = tmp_path / "single", tmp_path / "ddp"
     with one_thread():
-        train(_config(tmp_path / "data", single_run, 8), verbose=False)
-    done = _run([*TORCHRUN, "--data", str(tmp_path / "data"), *ARGS, "--batch-size", "4", "--out-dir", str(ddp_run)],
-                tmp_path)  # fmt: skip
+        train(_config(data, single_run, 8), verbose=False)
+    done = _run([*TORCHRUN, "--data", str(data), *ARGS, "--batch-size", "4", "--out-dir", str(ddp_run)], tmp_path)
     assert done.returncode == 0, done.stderr
     assert _rows(ddp_run)[-1]["tokens_seen"] == STEPS * 8 * 32
     assert _max_diff(single_run, ddp_run) < 1e-5

@@ -122,7 +122,7 @@ def test_json_lines_rows_are_documents(tmp_path: Path) -> None:
         _documents([bad], ReadOptions(text_field="content"))
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"text": "fine"}\n{"text": "cut off\n')
-    with pytest.raises(QkvError, match=r"broken.jsonl line 2 is not valid JSON \(Unterminated string"):
+    with pytest.raises(QkvError, match=r"broken.jsonl line 2 is not valid JSON at column 10 \(unterminated string"):
         _documents([broken])
 
 

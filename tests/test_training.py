@@ -24,16 +24,14 @@ import pytest
 import safetensors.torch
 import torch
 import torch.nn.functional as F
-from helpers import one_thread, shakespeare_documents, write_jsonl
+from helpers import one_thread, shard_dir
 from safetensors import safe_open
 
 from qkv.attention import new_cache
 from qkv.config import DecoderLMConfig
-from qkv.data import eval_windows, load_shakespeare, sources
+from qkv.data import eval_windows, load_shakespeare
 from qkv.data.batches import eval_batch
 from qkv.data.cache import open_text
-from qkv.data.options import PrepareOptions, Split, TokenizerRecipe
-from qkv.data.prepare import prepare
 from qkv.errors import QkvError
 from qkv.generation import Sampling, generate, stream
 from qkv.io import files
@@ -100,14 +98,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A data directory of 120 documents (char tokens, 1 in 10 held out) in training shards of ~20,000 tokens."""
-    root = tmp_path_factory.mktemp("shards")
-    corpus = write_jsonl(root / "docs.jsonl", shakespeare_documents())
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sources, "BLOCK_BYTES", 1 << 14)
-        options = PrepareOptions(split=Split(0.1), shard_tokens=20_000, workers=0)
-        meta = prepare([str(corpus)], root / "data", TokenizerRecipe("char"), "char", options, verbose=False)
-    assert sum(f["split"] == "train" for f in meta["files"]) >= 5
-    return root / "data"
+    return shard_dir(tmp_path_factory.mktemp("shards"))
 
 
 class _References:

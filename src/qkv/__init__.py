@@ -6,8 +6,9 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from qkv.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -54,13 +55,7 @@ if TYPE_CHECKING:
     from qkv.tasks.translate import TranslateConfig
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name from its module the first time it is used."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'qkv' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
 def __dir__() -> list[str]:

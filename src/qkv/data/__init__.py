@@ -16,8 +16,9 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from qkv.lazy import lazy_exports
 
 _EXPORTS = {
     "SHAKESPEARE_SHA256": "qkv.data.corpus",
@@ -32,13 +33,7 @@ if TYPE_CHECKING:
     from qkv.data.corpus import SHAKESPEARE_SHA256, load_shakespeare, read_text_file
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name from its module the first time it is used."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'qkv.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
 __all__ = [

@@ -45,7 +45,7 @@ from qkv.data.prepare_state import (
 )
 from qkv.data.shards import ShardWriter, dtype_of, magic_for
 from qkv.data.sources import Chunk, Position, expand_inputs, read_chunks, single_document
-from qkv.data.workers import count_documents, encode, ordered_map, sample_texts, scan
+from qkv.data.workers import count_documents, encode, ignore_interrupts, ordered_map, sample_texts, scan
 from qkv.errors import QkvError
 from qkv.io.files import file_sha256
 from qkv.io.progress import ProgressLine, clock
@@ -92,8 +92,13 @@ def prepare(
     except OSError as e:  # a full disk, a read error: what is committed stays, progress.json says where
         raise QkvError(f"{out}: {e.strerror or e} while writing shards; fix that and run the same command again "
                        f"to go on from the last finished shard") from None  # fmt: skip
+    except KeyboardInterrupt:
+        progress.log("stopped; the same command goes on from the last finished shard")
+        raise
+    finally:
+        progress.close()
     if verbose:
-        progress.log(_summary(meta, out, time.monotonic() - began))
+        print(_summary(meta, out, time.monotonic() - began))
     return meta
 
 
@@ -126,7 +131,7 @@ class _Workers:
 
     def __enter__(self) -> _Workers:
         if self.n > 0:  # spawn: a fresh interpreter per worker, light (no torch) and safe after threads
-            self.pool = multiprocessing.get_context("spawn").Pool(self.n)
+            self.pool = multiprocessing.get_context("spawn").Pool(self.n, initializer=ignore_interrupts)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -148,7 +153,7 @@ class _Run:
         sizes = [p.stat().st_size for p in paths]
         self.before = [sum(sizes[:i]) for i in range(len(sizes))]  # bytes of the inputs before each
         self.total_bytes = sum(sizes)
-        self.started, self.first_done = time.monotonic(), self.before[state.position.input] if paths else 0
+        self.started, self.first_done = time.monotonic(), -1  # set when the first chunk is encoded
 
     def chunks(self, start: Position | None = None) -> Iterator[Chunk]:
         """The corpus from a position (the start by default); a single document's pieces carry their split."""
@@ -232,6 +237,10 @@ class _Run:
     def encode(self, tok: Tokenizer) -> None:
         """Every chunk from the recorded position on, encoded by the workers and written in order."""
         state, magic = self.state, magic_for(tok.vocab_size)
+        if state.files:
+            at = state.position
+            self.progress.log(f"qkv prepare: going on after the {len(state.files)} shards already written (input "
+                              f"{at.input + 1} of {len(self.paths)}, {self.paths[at.input].name}, chunk {at.chunk})")
         state.magic, dtype = magic, dtype_of(magic)
         eot = np.array([tok.eos_id], dtype=dtype) if tok.eos_id is not None and tok.kind != "char" else None
         job = partial(encode, options=self.read, directory=str(self.out), dtype=dtype.str)
@@ -311,6 +320,8 @@ class _Run:
     def _show(self, chunk: Chunk) -> None:
         """Redraw the progress line: MB read, MB/s, tokens written, time left."""
         done = self.before[chunk.at.input] + chunk.consumed
+        if self.first_done < 0:  # the rate counts what this process encodes, not what it learnt or skipped before
+            self.started, self.first_done = time.monotonic(), done
         rate = (done - self.first_done) / max(time.monotonic() - self.started, 1e-9)
         eta = (self.total_bytes - done) / rate if rate > 0 else 0.0
         tokens = self.state.c.tokens["train"] + self.state.c.tokens["val"]
@@ -346,8 +357,11 @@ def _summary(meta: dict[str, Any], out: Path, seconds: float) -> str:
     for split in ("train", "val"):
         s = meta["splits"][split]
         shards = sum(f["split"] == split for f in meta["files"])
-        lines.append(f"{split:>5}: {s['documents']:,} documents, {s['tokens']:,} tokens, {s['text_bytes'] / 1e6:,.2f} "
-                     f"MB of text, {shards} shard{'s' if shards != 1 else ''}")  # fmt: skip
+        docs = f"{s['documents']:,} document{'s' if s['documents'] != 1 else ''}"
+        if meta["split_by"] == "characters":
+            docs = f"{'the first 90 %' if split == 'train' else 'the last 10 %'} of the text"
+        lines.append(f"{split:>5}: {docs}, {s['tokens']:,} tokens, {s['text_bytes'] / 1e6:,.2f} MB of text, {shards} "
+                     f"shard{'s' if shards != 1 else ''}")  # fmt: skip
     return "\n".join([*lines, f"train on it: qkv train --data {out}"])
 
 

@@ -145,6 +145,7 @@ def finished_meta(out: Path, state: PrepareState, tok: Tokenizer, name: str, set
                       "fingerprint": tok.fingerprint()},
         "shard_format": {"magic": state.magic, "dtype": dtype_of(state.magic).name, "header_bytes": HEADER_BYTES},
         "splits": {s: {"documents": c.docs[s], "tokens": c.tokens[s], "text_bytes": c.text_bytes[s]} for s in SPLITS},
+        "split_by": "documents" if state.boundary is None else "characters",
         "split_rule": _split_rule(state),
         "empty_documents": c.empty,
         "commonest_train_token": int(np.argmax(counts)),
@@ -166,7 +167,7 @@ def _split_rule(state: PrepareState) -> str:
         return f"the last 10 % of one text's characters (from character {state.boundary:,} on)"
     if split["val_tokens"] is not None:
         return f"the first documents, until {split['val_tokens']:,} tokens"
-    return f"{split['val_fraction']:.2%} of the documents, spread evenly, the first one included"
+    return f"{split['val_fraction'] * 100:g} % of the documents, spread over the corpus, the first one included"
 
 
 def _empty_split_message(split: str, state: PrepareState) -> str:

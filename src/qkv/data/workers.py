@@ -8,6 +8,7 @@ from __future__ import annotations
 import codecs
 import itertools
 import json
+import signal
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -65,7 +66,7 @@ def _field(line: bytes, n: int, at: int, chunk: Chunk, options: ReadOptions) -> 
     except UnicodeDecodeError as e:
         raise not_utf8(chunk.source, line[e.start :], chunk.offset + at + e.start) from None
     except json.JSONDecodeError as e:
-        raise QkvError(f"{where} is not valid JSON ({e.msg}, column {e.colno})") from None
+        raise QkvError(f"{where} is not valid JSON at column {e.colno} ({e.msg.lower()})") from None
     if not isinstance(row, dict) or options.text_field not in row:
         fields = ", ".join(map(str, row)) if isinstance(row, dict) else type(row).__name__
         raise QkvError(f"{where} has no field {options.text_field!r} (it has: {fields}); name the text's field with "
@@ -114,6 +115,11 @@ def encode(chunk: Chunk, options: ReadOptions, directory: str, dtype: str) -> En
         tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum()))
     text_bytes = np.array([len(t.encode("utf-8", "surrogatepass")) for t in texts], dtype=np.int64)
     return Encoded(tokens, lengths, text_bytes, ends)
+
+
+def ignore_interrupts() -> None:
+    """A worker's start: Ctrl-C is the main process's to handle (it stops the workers), not each worker's."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def ordered_map(fn: Callable[[T], R], items: Iterable[T], pool: Any | None, depth: int) -> Iterator[tuple[T, R]]:

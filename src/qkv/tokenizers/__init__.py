@@ -6,8 +6,9 @@ Hugging Face's tokenizers.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from qkv.lazy import lazy_exports
 
 _EXPORTS = {
     "ENDOFTEXT": "qkv.tokenizers.base",
@@ -25,13 +26,7 @@ if TYPE_CHECKING:
     from qkv.tokenizers.factory import TOKENIZER_KINDS, load_tokenizer
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name from its module the first time it is used."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'qkv.tokenizers' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
 __all__ = [
