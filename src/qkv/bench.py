@@ -29,15 +29,13 @@ BENCHMARKS_DIR = Path(__file__).resolve().parents[2] / "benchmarks"  # src/qkv/b
 
 
 def status_bytes(field: str, pid: int | str = "self") -> int:
-    """A memory field of /proc/PID/status (VmRSS, VmHWM, RssAnon …) in bytes; 0 once the process is gone."""
+    """A memory field of /proc/PID/status (VmRSS, VmHWM, RssAnon …) in bytes; 0 for a process that is gone or has
+    exited without being waited for (a zombie has no memory fields)."""
     try:
         lines = Path(f"/proc/{pid}/status").read_text().splitlines()
     except OSError:
         return 0
-    for line in lines:
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024  # reported in kB
-    raise QkvError(f"/proc/{pid}/status has no {field}")
+    return next((int(line.split()[1]) * 1024 for line in lines if line.startswith(field + ":")), 0)  # in kB
 
 
 def _descendants(root: int) -> list[int]:
