@@ -150,9 +150,6 @@ class _HashingReader:
         self.consumed += len(data)
         return data
 
-    def readable(self) -> bool:
-        return True
-
 
 @dataclass
 class InputStats:
