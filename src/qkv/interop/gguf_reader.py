@@ -12,6 +12,7 @@ Three things differ from a Hugging Face directory:
 from __future__ import annotations
 
 import warnings
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ _LAYER = {
 }
 # llama.cpp pre-tokenizer names whose regex is GPT-2's after splitting every digit apart.
 _DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "codeshell")
+_GPT2_PRE = "gpt-2"  # llama.cpp's name for GPT-2's own regex ("gpt2" is the tokenizer model's name)
 _CONTROL = 3  # llama.cpp token type of special tokens such as <|im_end|>
 
 
@@ -83,7 +85,7 @@ def _unpermute(w: Tensor, n_heads: int) -> Tensor:
     return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _config(reader: Any, has_output: bool, n_vocab: int) -> dict[str, Any]:
+def _config(reader: Any, names: Collection[str], n_vocab: int) -> dict[str, Any]:
     """An HF LlamaConfig dict from the llama.* metadata."""
 
     def get(key: str, default: Any = None) -> Any:
@@ -111,9 +113,15 @@ def _config(reader: Any, has_output: bool, n_vocab: int) -> dict[str, Any]:
         "rms_norm_eps": get("attention.layer_norm_rms_epsilon"),
         "rope_theta": get("rope.freq_base", 10000.0),
         "hidden_act": "silu",
-        "tie_word_embeddings": not has_output,  # no output.weight: the head reuses token_embd
+        "tie_word_embeddings": "lm_head.weight" not in names,  # no output.weight: the head reuses token_embd
+        # Optional in llama.cpp's Llama: blk.N.attn_q.bias …, blk.N.ffn_up.bias … (llama.config_from_hf checks them).
+        "attention_bias": any(".self_attn." in n and n.endswith(".bias") for n in names),
+        "mlp_bias": any(".mlp." in n and n.endswith(".bias") for n in names),
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        # Not LlamaConfig fields: kept so that writing the model back as GGUF (gguf_writer.py) loses nothing.
+        "chat_template": _field(reader, "tokenizer.chat_template"),
+        "gguf_pre_tokenizer": _field(reader, "tokenizer.ggml.pre"),
     }
 
 
@@ -122,7 +130,7 @@ def _tokenizer(reader: Any) -> Any:
     from qkv.tokenizers.gpt2 import byte_level_bpe
 
     model, pre = _field(reader, "tokenizer.ggml.model"), _field(reader, "tokenizer.ggml.pre", "default")
-    if model != "gpt2" or pre not in ("default", "gpt2", *_DIGIT_SPLIT_PRE):
+    if model != "gpt2" or pre not in ("default", "gpt2", _GPT2_PRE, *_DIGIT_SPLIT_PRE):
         warnings.warn(f"GGUF tokenizer {model}/{pre} is not supported; loading the model without one", stacklevel=3)
         return None
     tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
@@ -155,11 +163,12 @@ def read_gguf(path: str | Path) -> Checkpoint:
         # fp32 tensors come back as views of the read-only file: copy those, so the weights own their memory.
         array = array.astype(np.float32, copy=not array.flags.writeable)
         tensor = torch.from_numpy(np.ascontiguousarray(array))
-        if name.endswith("q_proj.weight"):
+        # llama.cpp's converter permutes the q/k biases (Llama with attention_bias) like the weights' rows.
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
             tensor = _unpermute(tensor, n_heads)
-        elif name.endswith("k_proj.weight"):
+        elif name.endswith(("k_proj.weight", "k_proj.bias")):
             tensor = _unpermute(tensor, n_kv_heads)
         tensors[name] = tensor
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    config = _config(reader, "lm_head.weight" in tensors, len(tokens.data) if tokens is not None else 0)
+    config = _config(reader, tensors.keys(), len(tokens.data) if tokens is not None else 0)
     return Checkpoint(config, tensors, str(path), _tokenizer(reader))

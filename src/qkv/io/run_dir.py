@@ -1,7 +1,9 @@
 """A run directory: what a training run leaves behind, and reading it back (older layouts included).
 
-    config.json              task, model config, run config, tokenizer summary, the data directory read (JSON)
-    model.safetensors        the best weights (by the task's own measure: val loss, BLEU, …)
+    config.json              task, model config, run config, tokenizer summary, the data directory read, and the
+                             checkpoint a fine-tuning run started from: its path and sha256 (JSON)
+    model.safetensors        the best weights (by the task's own measure: val loss, BLEU, …); a LoRA run's
+                             adapters only (what trains), its frozen base being the checkpoint config.json names
     last.safetensors         the latest weights  ┐
     last_optim.safetensors   optimiser + RNG     ├ everything `--resume` needs (qkv.training.checkpoint)
     last_state.json          step, counters, hashes of the two files above ┘
@@ -43,12 +45,16 @@ _RENAMED = {("lm", "bpe_vocab_size"): "vocab_size", ("translate", "batch_tokens"
 
 
 def write_run_config(directory: Path, task: str, model_type: str, model: dict[str, Any], training: dict[str, Any],
-                     tokenizer: dict[str, Any] | None, data: dict[str, Any] | None = None) -> None:  # fmt: skip
-    """Write config.json: the task, the model's config, the run's config, a tokenizer summary and the data read."""
+                     tokenizer: dict[str, Any] | None, data: dict[str, Any] | None = None,
+                     base: dict[str, Any] | None = None) -> None:  # fmt: skip
+    """Write config.json: the task, the model's config, the run's config, a tokenizer summary, the data read and the
+    checkpoint a fine-tuning run started from."""
     config = {"format": FORMAT, "task": task, "model_type": model_type, "model": model, "training": training,
               "tokenizer": tokenizer}  # fmt: skip
     if data is not None:  # where the tokens came from: a data directory (qkv.data.tokens) and its tokenizer
         config["data"] = data
+    if base is not None:  # a LoRA run's weights are adapters only: the base is loaded, hash-checked, from here
+        config["base"] = base
     atomic_write_json(Path(directory) / CONFIG_FILE, config)
 
 

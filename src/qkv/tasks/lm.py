@@ -19,18 +19,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from qkv.blocks.lora import DEFAULT_TARGETS, add_lora
 from qkv.config import DecoderLMConfig
 from qkv.data.batches import random_windows, to_device
 from qkv.data.options import TokenizerRecipe
 from qkv.data.tokens import TokenData, TokenSplit
 from qkv.errors import QkvError
+from qkv.finetune import Base, check_reference, load_base, load_lora_run, lora_spec_of
+from qkv.finetune.settings import check_data_tokenizer, finetuned_config
 from qkv.generation import Sampling, stream
-from qkv.models import DecoderLM
-from qkv.tasks.base import EvalOptions, LoadedRun
+from qkv.io.run_dir import read_run_config
+from qkv.models import DecoderLM, QkvModel
+from qkv.tasks.base import EvalOptions, LoadedRun, read_tokenizer
 from qkv.tasks.text import TextConfig, check_window_fits, data_record, text_data
 from qkv.tokenizers import Tokenizer, load_tokenizer
 from qkv.training import Evaluation, RunConfig, Task, TrainResult, evaluate_loss, option, perplexity
-from qkv.training.config import OPTIMIZERS
+from qkv.training.config import OPTIMIZERS, absolute, dashed
 from qkv.training.evaluate import eval_rows
 
 TOKENIZERS = ("char", "bpe", "gpt2")  # of a text file; a data directory has its own
@@ -41,6 +45,15 @@ TOKENIZERS = ("char", "bpe", "gpt2")  # of a text file; a data directory has its
 # multiply-adds per token), Muon for the blocks' matrices at a high learning rate, windows of 128 characters
 # in batches of 8 and a cosine schedule as long as the run; periodic evaluations read a sample of the
 # validation split, the last one all of it.
+# Fine-tuning a pretrained model (--init-from) never inherits the speedrun: AdamW at a small learning rate with a
+# short warmup, short runs (each step of a 135M model takes seconds on a CPU), and a short sample. LoRA's adapters
+# take a larger rate than full fine-tuning, as in the LoRA paper and PEFT's and litgpt's recipes.
+FINETUNE_DEFAULTS: dict[bool, dict[str, Any]] = {
+    lora: {"optimizer": "adamw", "lr": 2e-4 if lora else 3e-5, "warmup_steps": 10, "weight_decay": 0.0,
+           "beta2": 0.999, "max_steps": 100, "eval_interval": 50, "eval_tokens": 8192, "sample_tokens": 100}
+    for lora in (False, True)
+}  # fmt: skip
+
 DEFAULT_MODEL: dict[str, Any] = {
     "n_layers": 3,
     "d_model": 128,
@@ -79,16 +92,60 @@ class LMConfig(TextConfig):
     final_eval_tokens: int | None = option(None, "validation tokens read by the last evaluation and `qkv eval` "
                                            "(none: all)")  # fmt: skip
     sample_tokens: int = option(400, "tokens sampled when training ends (0 = none)")
+    init_from: str | None = option(None, "fine-tune this checkpoint: a .gguf file, a Hugging Face directory, a `qkv "
+                                   "convert` directory or a qkv run; its architecture and tokenizer are the run's",
+                                   fixed=True)  # fmt: skip
+    lora_rank: int | None = option(None, "LoRA: train rank-R adapters beside the frozen weights of --init-from "
+                                   "(none: train every weight)", fixed=True)  # fmt: skip
+    lora_alpha: float | None = option(None, "LoRA's α: the update is scaled by α / rank (none: 2 × rank)", fixed=True)
+    lora_dropout: float = option(0.0, "LoRA: dropout on the adapters' input", fixed=True)
+    lora_targets: str = option(",".join(DEFAULT_TARGETS), "LoRA: the Linear layers adapted, comma-separated (a "
+                               "plain name matches a module name's last part, a regex the whole name)",
+                               fixed=True)  # fmt: skip
+
+    def recipe(self) -> dict[str, Any]:
+        """The speedrun's model for a new model; nothing for a fine-tuning run (its checkpoint's model)."""
+        return {} if self.init_from is not None else super().recipe()
 
     def __post_init__(self) -> None:
         """The shared checks, then the language model's own."""
+        if self.init_from is not None:  # fine-tuning's defaults for the settings not given, never the speedrun's
+            for name, value in FINETUNE_DEFAULTS[self.lora_rank is not None].items():
+                if name not in self.given:
+                    setattr(self, name, value)
+            self.init_from = absolute(self.init_from)
+        if self.lora_rank is not None and self.lora_alpha is None:
+            self.lora_alpha = 2.0 * self.lora_rank
         super().__post_init__()
+        self._check_finetuning()
         for name in ("eval_tokens", "final_eval_tokens"):
             value = getattr(self, name)
             if value is not None and value < 2:
                 raise QkvError(f"{name.replace('_', '-')} must be ≥ 2, got {value}")
         if self.sample_tokens < 0:
             raise QkvError(f"sample-tokens must be ≥ 0, got {self.sample_tokens}")
+
+    def _check_finetuning(self) -> None:
+        """--init-from fixes the architecture and the tokenizer; the LoRA settings need it and a valid spec."""
+        unset = {"lora_rank": None, "lora_alpha": None, "lora_dropout": 0.0, "lora_targets": ",".join(DEFAULT_TARGETS)}
+        lora = sorted(n for n, value in unset.items() if getattr(self, n) != value)  # (a stored config gives them all)
+        if self.lora_rank is not None:
+            lora_spec_of(self.to_dict())  # refuses a rank below 1, a bad dropout, alpha or regex, no targets
+            if self.strategy == "fsdp":
+                raise QkvError("LoRA trains on one process or with --strategy ddp (its frozen base is not sharded); "
+                               "drop --strategy fsdp")  # fmt: skip
+        if self.init_from is None:  # (on --resume the stored run's settings come later, and are checked then)
+            if not self.resume and (self.lora_rank is not None or lora):
+                raise QkvError("--lora-rank and the other LoRA settings adapt a pretrained model; add --init-from "
+                               "CHECKPOINT")  # fmt: skip
+            return
+        defaults = {"tokenizer": None, "vocab_size": 1024}  # a stored run's config holds these, unset
+        contradicting = sorted(n for n, unset in defaults.items() if getattr(self, n) != unset)
+        if contradicting:
+            flags = " and ".join(f"--{dashed(n)}" for n in contradicting)
+            raise QkvError(f"{flags} contradict(s) --init-from: the tokenizer is the checkpoint's; drop {flags}")
+        if self.lora_rank is None and lora:
+            raise QkvError(f"--{dashed(lora[0])} needs --lora-rank R (without it every weight trains)")
 
 
 @dataclass
@@ -119,31 +176,70 @@ class LMTask(Task):
         self.cfg: LMConfig = cfg
         self.data: TokenData | None = None
         self.train: TokenSplit | None = None
+        self.base: Base | None = None  # the checkpoint a fine-tuning run starts from
+        self.stored_base: dict[str, Any] | None = None  # a resumed run's record of it
 
     @classmethod
     def run_name(cls, cfg: RunConfig) -> str:
         """<data file or directory name, or shakespeare>-<tokenizer>."""
         assert isinstance(cfg, LMConfig)
+        if cfg.init_from is not None:  # e.g. shakespeare-SmolLM2-135M-Instruct.Q4_1-lora
+            return f"{cfg.text_name()}-{Path(cfg.init_from).stem}{'-lora' if cfg.lora_rank is not None else ''}"
         return f"{cfg.text_name()}-{'data' if cfg.data_dir else cfg.tokenizer or 'char'}"
 
     def setup(self, run_dir: Path, resume: bool) -> None:
-        """Open the data (a text file is prepared with the run's own tokenizer on resume); check a window fits."""
+        """Open the data (a text file is prepared with the run's own tokenizer on resume); check a window fits.
+
+        A fine-tuning run loads its checkpoint first (on resume too, for a LoRA run: only its adapters were saved),
+        whose tokenizer the data must have been prepared with.
+        """
+        cfg = self.cfg
+        reference = self.stored_base = read_run_config(run_dir).get("base") if resume else None
+        if cfg.init_from is not None and (not resume or cfg.lora_rank is not None):
+            if reference is not None:  # the very weights the adapters were trained on
+                check_reference(reference, run_dir)
+            self.base = load_base(cfg.init_from, reference)
         stored = load_tokenizer(run_dir) if resume else None
-        self.data = text_data(self.cfg, run_dir if resume else None, stored, new_tokenizer(self.cfg),
-                              self.cfg.tokenizer or "char")  # fmt: skip
+        new = self.base.tokenizer if self.base is not None else new_tokenizer(cfg)
+        name = Path(cfg.init_from).name if cfg.init_from is not None else cfg.tokenizer or "char"
+        if cfg.init_from is not None and self.base is not None and not resume and cfg.data_dir:
+            check_data_tokenizer(str(cfg.data), self.base.tokenizer, cfg.init_from)
+        self.data = text_data(cfg, run_dir if resume else None, stored, new, name)
         self.tokenizer = self.data.tokenizer
         self.train = self.data.split("train")
         check_window_fits(self.cfg.block_size, self.train)
 
     def new_model_config(self) -> DecoderLMConfig:
-        """A DecoderLM over the tokenizer's vocabulary with a context of block_size tokens."""
+        """A DecoderLM over the tokenizer's vocabulary with a context of block_size tokens (a fine-tuning run: its
+        checkpoint's, with only dropout changeable)."""
         assert self.tokenizer is not None
-        model_cfg = self.cfg.build_model_config(vocab_size=self.tokenizer.vocab_size, max_positions=self.cfg.block_size)
+        if self.base is not None:
+            model_cfg = finetuned_config(self.base.model.cfg, self.cfg.model)
+        else:
+            model_cfg = self.cfg.build_model_config(vocab_size=self.tokenizer.vocab_size,
+                                                    max_positions=self.cfg.block_size)  # fmt: skip
         assert isinstance(model_cfg, DecoderLMConfig)
         if model_cfg.max_positions < self.cfg.block_size:
             raise QkvError(f"model max_positions={model_cfg.max_positions} is smaller than the block size "
                            f"{self.cfg.block_size}; drop --model max_positions or lower --block-size")  # fmt: skip
         return model_cfg
+
+    def build_model(self) -> QkvModel:
+        """A new model; a fine-tuning run's checkpoint (with LoRA adapters beside its frozen weights, if asked)."""
+        if self.base is None:
+            return super().build_model()
+        cfg, model = self.model_config(), self.base.model
+        if cfg != model.cfg:
+            model = DecoderLM(cfg)  # type: ignore[arg-type]
+            model.load_state_dict(self.base.model.state_dict())
+        spec = lora_spec_of(self.cfg.to_dict())
+        if spec is not None:
+            add_lora(model, spec)
+        return model.train()
+
+    def base_summary(self) -> dict[str, Any] | None:
+        """The checkpoint a fine-tuning run started from: path, sha256 of its weights, kind, metadata."""
+        return self.base.reference if self.base is not None else self.stored_base
 
     def describe(self) -> str:
         """Token counts and the vocabulary."""
@@ -194,11 +290,13 @@ class LMTask(Task):
         if self.cfg.sample_tokens > 0:
             run = LMRun.load(result.run_dir)
             tokenizer = run.require_tokenizer()
-            # A new line for characters; a BPE's end-of-text token, after which a document begins.
+            # A new line for characters; a BPE's end-of-text token, after which a document begins; a pretrained
+            # model fine-tuned on the embedded Shakespeare, a speaker's name (its end-of-text token ends a chat turn).
             eos = tokenizer.eos_id
             prompt = "\n" if eos is None and "\n" in getattr(tokenizer, "chars", "\n") else tokenizer.decode([eos or 0])
-            sample = run.generate(prompt, self.cfg.sample_tokens, temperature=0.8, seed=self.cfg.seed)
-            lines += ["\n--- sample " + "-" * 60, sample, "-" * 71]
+            shown = "ROMEO:" if self.cfg.init_from is not None and self.cfg.data is None else ""
+            sample = run.generate(shown or prompt, self.cfg.sample_tokens, temperature=0.8, seed=self.cfg.seed)
+            lines += ["\n--- sample " + "-" * 60, shown + sample, "-" * 71]
         run_dir = result.run_dir
         prompt = "ROMEO:" if self.cfg.data is None else "The"
         lines.append(f"more: qkv generate {run_dir} --prompt '{prompt}'  |  qkv eval {run_dir}  |  "
@@ -213,6 +311,18 @@ class LMRun(LoadedRun):
     model: DecoderLM
     config: LMConfig
     config_class: ClassVar[type[RunConfig]] = LMConfig
+
+    @classmethod
+    def load(cls, directory: Path, checkpoint: str = "best", device: str | torch.device = "cpu",
+             stored: dict[str, Any] | None = None) -> LMRun:  # fmt: skip
+        """A run directory's model; a LoRA run's base (hash-checked) with its adapters, merged."""
+        stored = read_run_config(directory) if stored is None else stored
+        if lora_spec_of(stored["training"]) is None:
+            return super().load(directory, checkpoint, device, stored)
+        model = load_lora_run(directory, stored, checkpoint)
+        config = LMConfig.from_dict(stored["training"])
+        assert isinstance(config, LMConfig)
+        return cls(model.to(device), read_tokenizer(Path(directory)), config, Path(directory), checkpoint)
 
     def generate(self, prompt: str, max_new_tokens: int = 200, **sampling: Any) -> str:
         """The prompt's continuation as text; sampling: Sampling's fields (temperature 0.8 unless given)."""

@@ -122,7 +122,7 @@ class RunConfig:
         """Lay the given model fields over the task's recipe, refusing names its model config does not have."""
         if not isinstance(self.model, dict):
             raise QkvError(f"model must be a dict of {self.model_config.__name__} fields, got {type(self.model)}")
-        recipe = dict(self.default_model)
+        recipe = self.recipe()
         if self.model.get("attention") == "mla":  # every head reads MLA's one latent: no key/value heads to set
             recipe.pop("n_kv_heads", None)
         self.model = {**recipe, **self.model}
@@ -130,6 +130,10 @@ class RunConfig:
         if unknown:
             names = ", ".join(map(str, unknown))
             raise QkvError(f"unknown model field(s): {names}; see {self.model_config.__name__} for the fields")
+
+    def recipe(self) -> dict[str, Any]:
+        """The model fields the task's recipe sets under the given ones (a fine-tuning run takes its checkpoint's)."""
+        return dict(self.default_model)
 
     @property
     def given(self) -> frozenset[str]:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from qkv.blocks.lora import lora_modules
 from qkv.errors import QkvError
 from qkv.io.devices import autocast_context, cpu_threads, keep_freed_memory, resolve_device
 from qkv.io.files import atomic_save_safetensors
@@ -142,6 +143,12 @@ class _Trainer:
         np.random.seed(cfg.seed % 2**32)
         task.setup(run_dir, cfg.resume)
         self.model = task.build_model().to(ctx.device)
+        # A LoRA run's frozen weights are its base's, which the task loads (and config.json references): its
+        # checkpoints hold what trains. Any other model saves every tensor, frozen or not.
+        self.frozen = {n for n, p in self.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        self.frozen = self.frozen if lora_modules(self.model) else set()
+        if self.frozen and ctx.sharded:
+            raise QkvError("a run with frozen weights (LoRA) trains on one process or with --strategy ddp, not fsdp")
         if hooks.on_model is not None:
             hooks.on_model(self.model)
         self.compiled = None
@@ -178,13 +185,15 @@ class _Trainer:
         else:
             self.task.save(self.run_dir)
         write_run_config(self.run_dir, self.task.name, model_type_of(self.model), self.model.cfg.to_dict(),
-                         settings, self.task.tokenizer_summary(), data)  # fmt: skip
+                         settings, self.task.tokenizer_summary(), data, self.task.base_summary())  # fmt: skip
 
     def _restore(self) -> None:
         """Load the last checkpoint: weights, optimiser, RNGs, the data generator and the counters."""
         settings = group_settings(self.optimizer)  # the stored param groups would bring back the old ones
         consolidated = distributed.ConsolidatedOptimizer(self.model, self.optimizer, self.ctx)
         state, extra = load_training_state(self.run_dir, consolidated, {"data": self.data_gen})
+        if self.frozen:
+            state = {**{k: v for k, v in self.model.state_dict().items() if k in self.frozen}, **state}
         check_weights(self.model, state, self.run_dir / LAST_FILE)
         distributed.load_full_model_state(self.model, state, self.ctx)
         apply_settings(self.optimizer, settings)  # settings given on resume replace the stored ones
@@ -200,12 +209,14 @@ class _Trainer:
     def run(self) -> TrainResult:
         """Train until max_steps, the time budget or Ctrl-C; evaluate and checkpoint on the way."""
         n_params = sum(p.numel() for p in self.model.parameters())
+        trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        counted = f"{n_params / 1e6:.2f} M parameters" + (f" ({trained / 1e6:.2f} M train)" if self.frozen else "")
         layout = ""
         if self.ctx.enabled:
             layout = f", {self.ctx.world_size} processes ({self.ctx.strategy}), global batch {self.state.global_batch}"
         described = self.task.describe()
         data = f"{described}, " if described else ""
-        self.progress.log(f"qkv train {self.task.name}: {n_params / 1e6:.2f} M parameters, {data}device "
+        self.progress.log(f"qkv train {self.task.name}: {counted}, {data}device "
                           f"{self.ctx.device}{layout}, run dir {self.run_dir}")  # fmt: skip
         self.model.train()
         first_step, first_tokens = self.state.step, self.state.tokens_seen
@@ -310,6 +321,7 @@ class _Trainer:
         results = self._evaluate(full)
         train_loss = distributed.mean_over_ranks(train_loss, self.ctx)
         model_state, optimizer_state = distributed.full_state(self.model, self.optimizer, self.ctx)  # collective
+        model_state = {k: v for k, v in model_state.items() if k not in self.frozen}
         row = {"step": self.state.step, "tokens_seen": self.state.tokens_seen, "elapsed_s": round(self.elapsed(), 3),
                "train_s": round(train_s, 3), "train_loss": train_loss, **results, "full_eval": full,
                "lr": self.schedule.lr_at(max(0, self.state.step - 1))}  # fmt: skip

@@ -161,6 +161,10 @@ class Task(ABC):
         """config.json's data entry: where the run's tokens come from (tasks that read a data directory)."""
         return None
 
+    def base_summary(self) -> dict[str, Any] | None:
+        """config.json's base entry: the checkpoint a fine-tuning run started from (path, sha256, kind)."""
+        return None
+
     def tokenizer_summary(self) -> dict[str, Any] | None:
         """config.json's tokenizer entry."""
         if self.tokenizer is None:
