@@ -101,7 +101,7 @@ class MultiHeadAttention(nn.Module):
         # Grouped queries that see the same keys under the same mask can share one K/V head without
         # copying it: fold the group into the query axis, (B, H, T_q, D) → (B, H_kv, G·T_q, D). That holds
         # when no mask row depends on the query (one new token while decoding, or an unmasked/padding-only
-        # mask without causality); otherwise K/V are repeated per query head.
+        # mask without causality); otherwise each K/V head serves its group inside the kernel (kv_groups).
         fold = (
             group > 1
             and active_recorder() is None  # recorded weights keep one row per query head
@@ -110,11 +110,9 @@ class MultiHeadAttention(nn.Module):
         )
         if fold:
             q = q.reshape(b, self.n_kv_heads, group * t_q, self.d_head)
-        elif group > 1:
-            k = k.repeat_interleave(group, dim=1)  # (B, H, T_k, D)
-            v = v.repeat_interleave(group, dim=1)
         dropout_p = self.dropout if self.training else 0.0
-        context_vecs = scaled_dot_product_attention(q, k, v, mask=mask, causal=causal and not fold, dropout_p=dropout_p)
+        context_vecs = scaled_dot_product_attention(q, k, v, mask=mask, causal=causal and not fold, dropout_p=dropout_p,
+                                                    kv_groups=1 if fold else group)  # fmt: skip
         if fold:
             context_vecs = context_vecs.reshape(b, self.n_heads, t_q, self.d_head)  # (B, H, T_q, D)
         context_vecs = context_vecs.to(x.dtype)

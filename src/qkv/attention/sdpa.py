@@ -29,6 +29,8 @@ from qkv.errors import QkvError
 Backend = Literal["auto", "reference", "fused"]
 
 
+_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa arrived in 2.5
+
 def _broadcast(*shapes: Sequence[int]) -> tuple[int, ...] | None:
     """NumPy broadcasting of shapes, or None if they do not broadcast.
 
@@ -88,6 +90,7 @@ def scaled_dot_product_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     backend: Backend = "auto",
+    kv_groups: int = 1,
 ) -> Tensor:
     """softmax(q kᵀ · scale) v for q (..., T_q, d_k), k (..., T_k, d_k), v (..., T_k, d_v).
 
@@ -96,9 +99,25 @@ def scaled_dot_product_attention(
         keys, as when the keys hold a KV cache followed by the new queries.
     scale: defaults to 1/√d_k; 1.0 gives the unscaled dot product.
     backend: "auto" (fused unless attention is being recorded), "reference" or "fused".
+    kv_groups: grouped-query attention, q (B, H, T_q, d_k) with k, v (B, H / kv_groups, T_k, d): each key/value
+        head serves kv_groups consecutive query heads.
     Returns the context vectors (..., T_q, d_v). To see the weights, run it inside `record_attention()`.
     A query whose keys are all masked gets a zero output (and zero gradient), never NaN.
     """
+    if kv_groups > 1:
+        if q.dim() < 3 or k.dim() != q.dim() or k.shape[-3] * kv_groups != q.shape[-3]:
+            raise QkvError(f"kv_groups={kv_groups} needs k, v with H / {kv_groups} heads on dim -3: q "
+                           f"{tuple(q.shape)}, k {tuple(k.shape)}")  # fmt: skip
+        plain = mask is None and backend != "reference" and active_recorder() is None
+        if _HAS_GQA and plain and (not causal or q.shape[-2] in (1, k.shape[-2])):
+            # PyTorch's kernel reads each key/value head once for its group: no copies of K and V (as fast as
+            # multi-head attention's kernel, against a third slower with the copies, on a CPU).
+            _check_inputs(q, k[..., :1, :, :], v[..., :1, :, :], None)
+            is_causal = causal and q.shape[-2] > 1
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal,
+                                                  scale=q.shape[-1] ** -0.5 if scale is None else scale,
+                                                  enable_gqa=True)  # fmt: skip
+        k, v = k.repeat_interleave(kv_groups, dim=-3), v.repeat_interleave(kv_groups, dim=-3)  # (…, H, T_k, d)
     _check_inputs(q, k, v, mask)
     if backend not in ("auto", "reference", "fused"):
         raise QkvError(f"unknown attention backend {backend!r}; choose one of: auto, reference, fused")
