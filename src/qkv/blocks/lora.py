@@ -84,8 +84,9 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         """x Wᵀ + b + (α / r) · dropout(x) Aᵀ Bᵀ."""
-        low_rank = F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B)  # (…, out) through (…, r)
-        return F.linear(x, self.weight, self.bias) + low_rank * self.scaling
+        down = F.linear(self.lora_dropout(x), self.lora_A) * self.scaling  # (…, r): scaled where it is r wide
+        # In place on the base's output, which its backward does not need: no third (…, out) tensor.
+        return F.linear(x, self.weight, self.bias).add_(F.linear(down, self.lora_B))  # (…, out)
 
     def delta(self) -> Tensor:
         """ΔW = (α / r) · B A, (out, in)."""
