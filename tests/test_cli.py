@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -488,14 +489,15 @@ def test_eval_prints_the_full_validation_loss(
     for which in ("best", "last"):
         code, out, err = run_main(capsys, "eval", str(char_run), "--checkpoint", which, "--batch-size", "7")
         assert (code, err) == (0, "")
-        match = re.fullmatch(r"val loss (\d+\.\d{4})  perplexity (\d+\.\d{3})  \(1,999 positions, block size 32, "
-                             rf"{which} weights\)\n", out)  # fmt: skip
+        match = re.fullmatch(r"val loss (\d+\.\d{4})  perplexity (\d+\.\d{3})  bits per byte (\d\.\d{3})  \(1,999 "
+                             rf"positions, block size 32, {which} weights\)\n", out)  # fmt: skip
         assert match, out
         printed = float(match.group(1))
         run = load(char_run, which)
         expected = evaluate_loss(run.model, val, 32, batch_size=32)
         assert abs(printed - expected) < 1e-4
         assert abs(float(match.group(2)) - torch.tensor(expected).exp().item()) < 1e-2
+        assert abs(float(match.group(3)) - expected / math.log(2)) < 1e-3  # ASCII text: a byte per character
     # eval_tokens (2000) covered the whole val split, so the last logged val loss is that same number.
     assert abs(printed - last_row["val_loss"]) < 1e-4
     assert last_row["step"] == 10

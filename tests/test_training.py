@@ -365,10 +365,12 @@ def test_run_directory_contents(reference: _References) -> None:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [5, 10, 15, 20, 25, 30, 35, 40]
     for r in rows:
-        assert set(r) == {"step", "tokens_seen", "elapsed_s", "train_s", "train_loss", "val_loss", "full_eval", "lr"}
+        assert set(r) == {"step", "tokens_seen", "elapsed_s", "train_s", "train_loss", "val_loss", "val_bpb",
+                          "full_eval", "lr"}  # fmt: skip
         assert r["full_eval"] == (r["step"] == 40)  # periodic evaluations read eval_tokens; the last one, all
         assert r["tokens_seen"] == r["step"] * 4 * 32
         assert math.isfinite(r["train_loss"]) and math.isfinite(r["val_loss"]) and r["lr"] > 0
+        assert r["val_bpb"] == pytest.approx(r["val_loss"] / math.log(2), rel=1e-12)  # ASCII: a byte per character
         assert 0 < r["train_s"] < r["elapsed_s"]  # training time excludes the evaluations before this row
     # Each row's overhead (elapsed − train) includes every earlier evaluation, so it only grows.
     overheads = [r["elapsed_s"] - r["train_s"] for r in rows]

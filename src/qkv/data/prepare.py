@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from qkv.data import sources
-from qkv.data.options import TRAIN_FRACTION, PrepareOptions, TokenizerRecipe
+from qkv.data.options import PrepareOptions, TokenizerRecipe, train_characters
 from qkv.data.prepare_state import (
     META_FILE,
     PROGRESS_FILE,
@@ -172,7 +172,7 @@ class _Run:
         char_recipe = recipe is not None and recipe.kind == "char" and not state.tokenizer_ready
         if (self.single and state.boundary is None) or char_recipe:
             alphabet, characters = self._scan()
-            state.boundary = int(TRAIN_FRACTION * characters) if self.single else None
+            state.boundary = train_characters(characters) if self.single else None
         if state.tokenizer_ready:
             return load_tokenizer(self.out)
         if recipe is not None:

@@ -34,19 +34,19 @@ class Base:
     reference: dict[str, Any]
 
 
-def _kind(path: Path) -> str:
-    """gguf, qkv (a run or a `qkv convert` directory) or hf; a one-line error for anything else."""
+def _kind(path: Path, role: str = "--init-from") -> str:
+    """gguf, qkv (a run or a `qkv convert` directory) or hf; a one-line error (naming the option, `role`) else."""
     from qkv.interop.qkv_dir import is_qkv_dir
 
     if not path.exists():
-        raise QkvError(f"--init-from {path}: no such file or directory")
+        raise QkvError(f"{role} {path}: no such file or directory")
     if path.is_file() and path.suffix.lower() == ".gguf":
         return "gguf"
     if path.is_dir() and is_qkv_dir(path):
         return "qkv"
     if path.is_dir() and (path / CONFIG_FILE).is_file() and any(path.glob(f"*{_WEIGHT_SUFFIX}")):
         return "hf"
-    raise QkvError(f"--init-from {path} is not a checkpoint: give a .gguf file, a Hugging Face directory "
+    raise QkvError(f"{role} {path} is not a checkpoint: give a .gguf file, a Hugging Face directory "
                    "(config.json + safetensors), a `qkv convert` directory or a qkv run")  # fmt: skip
 
 
@@ -62,10 +62,11 @@ def weights_digest(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def base_reference(path: str | Path) -> dict[str, Any]:
+def base_reference(path: str | Path, role: str = "--init-from") -> dict[str, Any]:
     """{"path": absolute path, "sha256": weights_digest, "kind": gguf | hf | qkv} of a checkpoint."""
     path = Path(path).expanduser().resolve()
-    return {"path": str(path), "sha256": weights_digest(path), "kind": _kind(path)}
+    kind = _kind(path, role)
+    return {"path": str(path), "sha256": weights_digest(path), "kind": kind}
 
 
 def check_reference(reference: dict[str, Any], run: str | Path) -> Path:
@@ -81,12 +82,13 @@ def check_reference(reference: dict[str, Any], run: str | Path) -> Path:
     return path
 
 
-def load_base(path: str | Path, reference: dict[str, Any] | None = None) -> Base:
-    """The decoder-only model and tokenizer at `path` (reference: an earlier one, which the weights must match)."""
+def load_base(path: str | Path, reference: dict[str, Any] | None = None, role: str = "--init-from") -> Base:
+    """The decoder-only model and tokenizer at `path` (reference: an earlier one, which the weights must match;
+    role: the option that named it, for messages)."""
     from qkv.interop import from_hf, read_checkpoint, tokenizer_from_hf
     from qkv.interop.marian_tokenizer import read_tokenizer
 
-    ref = base_reference(path) if reference is None else reference
+    ref = base_reference(path, role) if reference is None else reference
     where = Path(ref["path"])
     tokenizer: Tokenizer | None
     if ref["kind"] == "qkv":
@@ -101,10 +103,10 @@ def load_base(path: str | Path, reference: dict[str, Any] | None = None) -> Base
         if reference is None:  # what exporting the fine-tuned model needs again: the special ids, the chat template
             ref["metadata"] = {k: ckpt.config[k] for k in _METADATA if ckpt.config.get(k) is not None}
     if not isinstance(model, DecoderLM):
-        raise QkvError(f"--init-from {where} holds a {type(model).__name__}; `qkv train` fine-tunes decoder-only "
-                       "language models (GPT-2, Llama/SmolLM2, DeepSeek)")  # fmt: skip
+        raise QkvError(f"{role} {where} holds a {type(model).__name__}; {role} takes decoder-only language models "
+                       "(GPT-2, Llama/SmolLM2, DeepSeek)")  # fmt: skip
     if tokenizer is None:
-        raise QkvError(f"--init-from {where} has no tokenizer qkv reads (tokenizer.json, vocab.json + merges.txt, "
+        raise QkvError(f"{role} {where} has no tokenizer qkv reads (tokenizer.json, vocab.json + merges.txt, "
                        "or GGUF metadata)")  # fmt: skip
     return Base(model.requires_grad_(True), tokenizer, ref)  # a merged LoRA run comes back partly frozen
 

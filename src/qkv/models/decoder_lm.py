@@ -42,15 +42,25 @@ class DecoderLM(nn.Module):
 
         padding_mask: (B, T_past + T) booleans, True on real tokens, for left-padded batches.
         """
+        return self.lm_head(self.hidden(ids, cache, padding_mask))  # (B, T, vocab)
+
+    def hidden(self, ids: Tensor, cache: list[LayerCache] | None = None, padding_mask: Tensor | None = None,
+               positions: Tensor | None = None, mask: Tensor | None = None) -> Tensor:  # fmt: skip
+        """The final (normed) hidden states (B, T, d_model) that lm_head maps to logits: scoring a few positions
+        of a long sequence applies the head to those alone.
+
+        positions (B, T) and mask (B, T, T; True = may attend, on top of causality) pack several sequences
+        that share a beginning into one row: each keeps its own positions and sees only its own tokens.
+        """
         start = cache_length(cache)
-        x, rope = self.embed(ids, start=start)  # (B, T, d_model)
-        self_mask = None
+        x, rope = self.embed(ids, start=start, positions=positions)  # (B, T, d_model)
+        self_mask = None if mask is None else mask[:, None]  # (B, 1, T, T)
         if padding_mask is not None:
             if padding_mask.shape != (ids.shape[0], start + ids.shape[1]):
                 raise QkvError(
                     f"padding_mask must be (B, T_past + T) = {(ids.shape[0], start + ids.shape[1])}, "
                     f"got {tuple(padding_mask.shape)}"
                 )
-            self_mask = padding_mask[:, None, None, :]  # (B, 1, 1, T_k)
-        x = self.decoder(x, self_mask=self_mask, cache=cache, rope=rope)
-        return self.lm_head(x)  # (B, T, vocab)
+            keys = padding_mask[:, None, None, :]  # (B, 1, 1, T_k)
+            self_mask = keys if self_mask is None else self_mask & keys
+        return self.decoder(x, self_mask=self_mask, cache=cache, rope=rope)  # (B, T, d_model)

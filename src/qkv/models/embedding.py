@@ -28,7 +28,7 @@ class Embeddings(nn.Module):
         self.vocab_size, self.max_positions = cfg.vocab_size, cfg.max_positions
         self.tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
-        self.positions: nn.Module | None = None
+        self.positions: LearnedPositionalEmbedding | SinusoidalPositionalEncoding | None = None
         self.rotary: RotaryEmbedding | None = None
         self.position_offset = cfg.position_offset
         if cfg.positions == "learned":
@@ -46,14 +46,19 @@ class Embeddings(nn.Module):
             self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, bias=cfg.bias)
         self.dropout = Dropout(cfg.dropout)
 
-    def forward(self, ids: Tensor, start: int = 0, token_type_ids: Tensor | None = None) -> tuple[Tensor, Rope]:
-        """Embed ids at positions start .. start + T − 1."""
+    def forward(self, ids: Tensor, start: int = 0, token_type_ids: Tensor | None = None,
+                positions: Tensor | None = None) -> tuple[Tensor, Rope]:  # fmt: skip
+        """Embed ids at positions start .. start + T − 1, or at `positions` (B, T) (several sequences packed into
+        one row, each counting from its own start)."""
         if ids.dim() != 2:
             raise QkvError(f"token ids must have shape (B, T), got {tuple(ids.shape)}")
         if ids.dtype not in (torch.int64, torch.int32):
             raise QkvError(f"token ids must be an integer tensor, got {ids.dtype}")
         t = ids.shape[1]
-        check_length(start, t, self.max_positions)
+        if positions is None:
+            check_length(start, t, self.max_positions)
+        elif positions.numel():
+            check_length(int(positions.max()), 1, self.max_positions)
         # One reduction, one host sync; the min/max for the message are computed only on failure. A compiled
         # graph cannot branch on data: there the ids come from the training data, already in range.
         out_of_range = not torch.compiler.is_compiling() and ids.numel()
@@ -62,14 +67,18 @@ class Embeddings(nn.Module):
                 f"token id out of range [0, {self.vocab_size}): got min {int(ids.min())}, max {int(ids.max())}"
             )
         x = self.tokens(ids) * self.scale  # (B, T, d_model)
-        if self.positions is not None:
+        if self.positions is not None and positions is not None:
+            x = x + self.positions.at(positions + self.position_offset)  # (B, T, d_model)
+        elif self.positions is not None:
             x = x + self.positions(t, start + self.position_offset)  # (T, d_model) broadcasts over the batch
         if self.token_types is not None:
             types = token_type_ids if token_type_ids is not None else torch.zeros_like(ids)
             x = x + self.token_types(types)
         if self.norm is not None:
             x = self.norm(x)
-        rope = self.rotary(t, start) if self.rotary is not None else None
+        rope = None
+        if self.rotary is not None:
+            rope = self.rotary.at(positions) if positions is not None else self.rotary(t, start)
         return self.dropout(x), rope
 
 

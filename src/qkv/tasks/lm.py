@@ -5,7 +5,8 @@ embedded Shakespeare corpus: a file is prepared into the cache on first use (qkv
 characters (first 90 % train, last 10 % validation), character-, BPE- or GPT-2-tokenised. Batches are
 random windows of block_size tokens; the loss is the mean next-token cross-entropy; the evaluation is the
 validation split cut into consecutive windows, every position predicted once (qkv.training.evaluate),
-which is what `qkv eval` reports too.
+which is what `qkv eval` reports too, with the bits per byte of the same windows where the tokenizer says
+each token's bytes.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ from qkv.models import DecoderLM, QkvModel
 from qkv.tasks.base import EvalOptions, LoadedRun, read_tokenizer
 from qkv.tasks.text import TextConfig, check_window_fits, data_record, text_data
 from qkv.tokenizers import Tokenizer, load_tokenizer
-from qkv.training import Evaluation, RunConfig, Task, TrainResult, evaluate_loss, option, perplexity
+from qkv.training import Evaluation, RunConfig, Task, TrainResult, evaluate_loss, evaluate_sums, option, perplexity
 from qkv.training.config import OPTIMIZERS, absolute, dashed
-from qkv.training.evaluate import eval_rows
+from qkv.training.evaluate import LossSums, eval_rows, token_bytes_of
 
 TOKENIZERS = ("char", "bpe", "gpt2")  # of a text file; a data directory has its own
 
@@ -178,6 +179,7 @@ class LMTask(Task):
         self.train: TokenSplit | None = None
         self.base: Base | None = None  # the checkpoint a fine-tuning run starts from
         self.stored_base: dict[str, Any] | None = None  # a resumed run's record of it
+        self.token_bytes: Tensor | None = None  # each token's UTF-8 bytes, for bits per byte (None: not known)
 
     @classmethod
     def run_name(cls, cfg: RunConfig) -> str:
@@ -206,6 +208,7 @@ class LMTask(Task):
             check_data_tokenizer(str(cfg.data), self.base.tokenizer, cfg.init_from)
         self.data = text_data(cfg, run_dir if resume else None, stored, new, name)
         self.tokenizer = self.data.tokenizer
+        self.token_bytes = token_bytes_of(self.tokenizer)
         self.train = self.data.split("train")
         check_window_fits(self.cfg.block_size, self.train)
 
@@ -268,14 +271,15 @@ class LMTask(Task):
         return F.cross_entropy(logits.flatten(0, 1).float(), batch.y.flatten())
 
     def evaluate(self, ev: Evaluation) -> dict[str, float]:
-        """The validation loss by `qkv eval`'s protocol (periodically over eval_tokens tokens, if set)."""
+        """The validation loss by `qkv eval`'s protocol (periodically over eval_tokens tokens, if set), and its bits
+        per byte where the tokenizer says each token's bytes."""
         assert self.data is not None
         cfg, max_tokens = self.cfg, self.cfg.final_eval_tokens if ev.full else self.cfg.eval_tokens
         rows = eval_rows(cfg.batch_size, cfg.block_size, self.data.tokenizer.vocab_size)
         with ev.autocast():
-            loss = evaluate_loss(ev.forward, self.data.split("val"), cfg.block_size, rows, ev.ctx.device, max_tokens,
-                                 ev.ctx)  # fmt: skip
-        return {"val_loss": loss}
+            sums = evaluate_sums(ev.forward, self.data.split("val"), cfg.block_size, rows, ev.ctx.device, max_tokens,
+                                 ev.ctx, self.token_bytes)  # fmt: skip
+        return {"val_loss": sums.mean, **_bpb(sums)}
 
     @property
     def partial_evaluation(self) -> bool:
@@ -284,8 +288,9 @@ class LMTask(Task):
 
     def summary(self, result: TrainResult) -> str:
         """The final validation loss and perplexity, a sample of the best weights, and what to try next."""
-        loss = result.val_loss
-        lines = [f"\nvalidation loss {loss:.4f} (perplexity {perplexity(loss):.2f}) after {result.step} steps, "
+        loss, bpb = result.val_loss, result.final.get("val_bpb")
+        also = "" if bpb is None else f", {bpb:.3f} bits per byte"
+        lines = [f"\nvalidation loss {loss:.4f} (perplexity {perplexity(loss):.2f}{also}) after {result.step} steps, "
                  f"{result.elapsed_s:.0f} s — run saved in {result.run_dir}"]  # fmt: skip
         if self.cfg.sample_tokens > 0:
             run = LMRun.load(result.run_dir)
@@ -300,7 +305,7 @@ class LMTask(Task):
         run_dir = result.run_dir
         prompt = "ROMEO:" if self.cfg.data is None else "The"
         lines.append(f"more: qkv generate {run_dir} --prompt '{prompt}'  |  qkv eval {run_dir}  |  "
-                     f"qkv explore {run_dir}")
+                     f"qkv explore {run_dir}")  # fmt: skip
         return "\n".join(lines)
 
 
@@ -342,13 +347,17 @@ class LMRun(LoadedRun):
         return text_data(cfg, self.directory, tokenizer, tokenizer, cfg.tokenizer or "char").split("val")
 
     def evaluate(self, options: EvalOptions) -> list[str]:
-        """Loss and perplexity over the validation split (final_eval_tokens of it, if set), in windows of the
-        training block size: the number training's last evaluation gave."""
+        """Loss, perplexity and bits per byte (where the tokenizer says its tokens' bytes) over the validation split
+        (final_eval_tokens of it, if set), in windows of the training block size: training's last evaluation."""
         options.refuse_beam_options(self.task)
         cfg, val = self.config, self.validation_data()
-        loss = self.val_loss(options.batch_size, val)
+        rows = eval_rows(options.batch_size, cfg.block_size, self.model.cfg.vocab_size)
+        sums = evaluate_sums(self.model, val, cfg.block_size, rows, self.device, cfg.final_eval_tokens,
+                             token_bytes=token_bytes_of(self.require_tokenizer()))  # fmt: skip
+        loss, bpb = sums.mean, _bpb(sums).get("val_bpb")
+        also = "" if bpb is None else f"  bits per byte {bpb:.3f}"
         read = len(val) if cfg.final_eval_tokens is None else min(len(val), cfg.final_eval_tokens)
-        return [f"val loss {loss:.4f}  perplexity {perplexity(loss):.3f}  ({read - 1:,} positions, "
+        return [f"val loss {loss:.4f}  perplexity {perplexity(loss):.3f}{also}  ({read - 1:,} positions, "
                 f"block size {cfg.block_size}, {self.checkpoint} weights)"]  # fmt: skip
 
     def val_loss(self, batch_size: int = 32, val: TokenSplit | None = None) -> float:
@@ -357,6 +366,11 @@ class LMRun(LoadedRun):
         val = self.validation_data() if val is None else val
         rows = eval_rows(batch_size, cfg.block_size, self.model.cfg.vocab_size)
         return evaluate_loss(self.model, val, cfg.block_size, rows, self.device, cfg.final_eval_tokens)
+
+
+def _bpb(sums: LossSums) -> dict[str, float]:
+    """{"val_bpb": bits per byte} when the sums counted the text's bytes; nothing when the tokenizer cannot say them."""
+    return {"val_bpb": sums.bits_per_byte()} if sums.text_bytes > 0 else {}
 
 
 def new_tokenizer(cfg: LMConfig) -> Tokenizer | TokenizerRecipe:

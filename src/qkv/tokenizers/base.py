@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+from qkv.errors import QkvError
+
 if TYPE_CHECKING:  # torch is imported where a tensor is made: `qkv prepare`'s workers never load it
     import torch
 
@@ -64,6 +66,13 @@ class Tokenizer(ABC):
         import torch
 
         return torch.tensor(self.encode(text), dtype=torch.int64)
+
+    def token_bytes(self) -> list[int]:
+        """UTF-8 bytes of each token id's text, 0 for special tokens (what bits per byte divides by)."""
+        # Special tokens (<|endoftext|>) mark where documents end rather than stand for text: 0 bytes, and bits
+        # per byte leaves out their loss too (as nanochat does), so the measure depends on the text alone.
+        raise QkvError(f"bits per byte needs the bytes of text each token stands for, which a {self.kind} tokenizer "
+                       "does not say; compare such models by validation loss, on one tokenizer")  # fmt: skip
 
     def cuts_like_gpt2(self) -> bool:
         """Whether text cut where GPT-2's pre-tokenizer splits whatever surrounds the cut (between a line break

@@ -106,6 +106,28 @@ class ByteBPETokenizer(Tokenizer):
                 self._ordinary = lambda text: plain.encode(text, add_special_tokens=False).ids
         return [self._ordinary(text) for text in texts]
 
+    def token_bytes(self) -> list[int]:
+        """UTF-8 bytes of each token's text, 0 for special tokens; for byte-level BPEs (GPT-2's byte alphabet)."""
+        from qkv.tokenizers.gpt2 import byte_decoder
+
+        decoder = self._tok.decoder
+        if not isinstance(decoder, hf.decoders.ByteLevel):
+            raise QkvError(f"bits per byte needs the bytes of text each token stands for, which this BPE (decoder "
+                           f"{type(decoder).__name__ if decoder else None}, not GPT-2's byte-level one) does not say; "
+                           "compare such models by validation loss, on one tokenizer")  # fmt: skip
+        alphabet = byte_decoder()
+        added = self._tok.get_added_tokens_decoder()
+        sizes = []
+        for i in range(self.vocab_size):
+            token = added.get(i)
+            if token is not None:  # matched in the text as it is written, before the bytes are mapped
+                sizes.append(0 if token.special else len(token.content.encode("utf-8")))
+                continue
+            piece = self._tok.id_to_token(i) or ""
+            # One character per byte; a piece outside that alphabet decodes as its own UTF-8, as HF's decoder does.
+            sizes.append(len(piece) if all(c in alphabet for c in piece) else len(piece.encode("utf-8")))
+        return sizes
+
     def cuts_like_gpt2(self) -> bool:
         """True for a byte-level BPE with GPT-2's pre-tokenizer (digits split apart first, or not) and no
         normalizer: qkv's own BPEs, GPT-2's, SmolLM2's; not for SentencePiece-style (Metaspace) tokenizers."""

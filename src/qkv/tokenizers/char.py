@@ -106,6 +106,10 @@ class CharTokenizer(Tokenizer):
         """Token ids as an int64 numpy array (what `qkv prepare` writes into shards)."""
         return self._encode_array(text)
 
+    def token_bytes(self) -> list[int]:
+        """UTF-8 bytes of each character (1 to 4); a character vocabulary has no special tokens."""
+        return [len(c.encode("utf-8", "surrogatepass")) for c in self._chars]
+
     def cuts_like_gpt2(self) -> bool:
         """True: one token per character, whatever surrounds it."""
         return True

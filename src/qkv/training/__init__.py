@@ -5,12 +5,12 @@
     config.py       RunConfig: the settings every task shares, defined and validated once
     checkpoint.py   crash-safe training state (weights, optimiser, RNGs) for exact resume
     distributed.py  DDP and FSDP under torchrun
-    evaluate.py     the language models' evaluation protocol (every position predicted once)
+    evaluate.py     the language models' evaluation protocol (every position predicted once), bits per byte
 The tasks themselves (language model, translation, masked LM, copy/reverse) are in qkv.tasks.
 """
 
 from qkv.training.config import RunConfig, option
-from qkv.training.evaluate import evaluate_loss, perplexity
+from qkv.training.evaluate import bits_per_byte, evaluate_loss, evaluate_sums, perplexity
 from qkv.training.loop import Hooks, StepInfo, fit
 from qkv.training.task import Batch, Evaluation, Task, TrainResult
 
@@ -22,7 +22,9 @@ __all__ = [
     "StepInfo",
     "Task",
     "TrainResult",
+    "bits_per_byte",
     "evaluate_loss",
+    "evaluate_sums",
     "fit",
     "option",
     "perplexity",

@@ -1,0 +1,110 @@
+"""`qkv eval --bench`: score a model on benchmarks with a progress bar, print the table, keep a JSON beside it."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qkv.errors import QkvError
+from qkv.evals.data import Benchmark, Item, load_items
+from qkv.evals.metrics import Measure, measures, predictions
+from qkv.evals.models import EvalModel
+from qkv.evals.scoring import Score, score_items
+from qkv.io.files import atomic_write_json, load_json
+from qkv.io.progress import ProgressLine, clock
+
+
+@dataclass
+class BenchResult:
+    """A benchmark's measures over the items scored, the time it took, and each item's scores."""
+
+    bench: Benchmark
+    items: list[Item]
+    scores: list[list[Score]]
+    measures: dict[str, Measure]
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        """The result as results JSON stores it: measures with intervals, and per item the choice picked."""
+        picks = [predictions(item, s) for item, s in zip(self.items, self.scores, strict=True)]
+        return {
+            "title": self.bench.title,
+            "split": self.bench.split,
+            "items": len(self.items),
+            "of": self.bench.size,
+            "sha256": self.bench.sha256,
+            "seconds": round(self.seconds, 2),
+            "metrics": {k: {"value": m.value, "ci95": [m.lo, m.hi]} for k, m in self.measures.items()},
+            "per_item": {
+                "gold": [item.gold for item in self.items],
+                "pred": [p["acc"] for p in picks],
+                "loglikelihood": [[round(x.logprob, 6) for x in s] for s in self.scores],
+                "greedy": [[x.greedy for x in s] for s in self.scores],
+            },
+        }
+
+
+def check_spelling(lm: EvalModel, bench: Benchmark, items: list[Item]) -> None:
+    """Refuse a character vocabulary that cannot encode the benchmark's text: a character it never saw has no
+    probability, so the benchmark cannot be scored at all (not merely badly)."""
+    chars = getattr(lm.tokenizer, "chars", None)
+    if chars is None:
+        return
+    known = set(chars)
+    missing = sorted({ch for item in items for pair in item.requests for text in pair for ch in text} - known)
+    if missing:
+        shown = " ".join(repr(c) for c in missing[:8]) + (" …" if len(missing) > 8 else "")
+        raise QkvError(f"{lm.name}'s character vocabulary cannot spell {bench.title} ({len(missing)} characters "
+                       f"missing: {shown}); benchmarks need a tokenizer that encodes any text (a BPE run or a "
+                       "pretrained checkpoint); score a char model with --bpb on text it can spell")  # fmt: skip
+
+
+def run_benchmark(lm: EvalModel, bench: Benchmark, limit: int | None, show: ProgressLine) -> BenchResult:
+    """Score one benchmark's first `limit` items (all for None)."""
+    if limit is not None and limit < 1:
+        raise QkvError(f"--limit must be a positive number of items, got {limit}")
+    items = load_items(bench)
+    check_spelling(lm, bench, items)  # all of them: whether a model is scored does not depend on --limit
+    items = items[:limit]
+    start = time.perf_counter()
+
+    def progress(done: int) -> None:
+        elapsed = time.perf_counter() - start
+        left = elapsed / done * (len(items) - done) if done else 0.0
+        show.update(done / len(items), f"{bench.name} {done:,}/{len(items):,} items  {clock(elapsed)} "
+                                       f"(~{clock(left)} left)", final=done == len(items))  # fmt: skip
+
+    scores = score_items(lm.model, lm.tokenizer, items, progress=progress)
+    return BenchResult(bench, items, scores, measures(bench, items, scores), time.perf_counter() - start)
+
+
+def _shown(name: str, m: Measure) -> str:
+    """A measure as the table prints it: percentages ± half the interval; perplexity with its range."""
+    if name == "perplexity":
+        return f"{m.value:10.2f}   {m.lo:.2f} – {m.hi:.2f}"
+    half = "  n/a" if math.isnan(m.hi) else f"{100 * (m.hi - m.value):5.2f}"
+    return f"{100 * m.value:10.2f}   ± {half}"
+
+
+def table(results: list[BenchResult]) -> list[str]:
+    """The results as printed lines: one per benchmark and measure."""
+    lines = [f"{'benchmark':<14} {'split':<10} {'items':>6}  {'metric':<10} {'value':>10}   95 % interval   time"]
+    for r in results:
+        for i, (name, m) in enumerate(r.measures.items()):
+            head = f"{r.bench.name:<14} {r.bench.split:<10} {len(r.items):>6}" if i == 0 else " " * 32
+            tail = f"   {clock(r.seconds)}" if i == 0 else ""
+            lines.append(f"{head}  {name:<10} {_shown(name, m):<29}{tail}".rstrip())
+    return lines
+
+
+def write_results(path: Path, lm: EvalModel, entries: dict[str, Any]) -> None:
+    """Merge entries (benchmark or "bpb" → result) into the results JSON at path, atomically."""
+    old = load_json(path) if path.is_file() else {}
+    merged = {"model": lm.name, "results": {**(old.get("results") or {}), **entries}}
+    try:
+        atomic_write_json(path, merged)
+    except OSError as err:
+        raise QkvError(f"cannot write the results to {path} ({err.strerror}); pass --out FILE") from None
