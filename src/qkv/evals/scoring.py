@@ -63,7 +63,7 @@ def encode_request(tokenizer: Tokenizer, context: str, continuation: str, max_po
         whole, n_context = tokenizer.encode(context + continuation), len(tokenizer.encode(context))
     else:
         whole, n_context = [_prefix_token(tokenizer), *tokenizer.encode(continuation)], 1
-    n_cont = len(whole) - n_context
+    n_cont = max(0, len(whole) - n_context)  # the continuation may merge into the context's last token
     if max_positions is not None and len(whole) > max_positions + 1:
         whole = whole[-(max_positions + 1) :]
     return whole, min(n_cont, len(whole) - 1)
@@ -129,9 +129,12 @@ def _hidden(model: DecoderLM, batch: list[_Row]) -> Tensor:
     device = model.lm_head.weight.device
     width = max(len(r.tokens) for r in batch)
     pad = [width - len(r.tokens) for r in batch]
-    ids = torch.tensor([r.tokens + [0] * n for r, n in zip(batch, pad, strict=True)], device=device)  # (B, T)
-    positions = torch.tensor([r.positions + [0] * n for r, n in zip(batch, pad, strict=True)], device=device)
-    owner = torch.tensor([r.owner + [-1] * n for r, n in zip(batch, pad, strict=True)], device=device)  # (B, T)
+    rows = zip(batch, pad, strict=True)
+    ids, positions, owner = (
+        torch.tensor(column, dtype=torch.long, device=device)  # (B, T) each
+        for column in zip(*[(r.tokens + [0] * n, r.positions + [0] * n, r.owner + [-1] * n) for r, n in rows],
+                          strict=True)
+    )
     # key j is visible to query i when it is the shared prefix or the same choice (causality is the model's)
     mask = ((owner[:, None, :] == 0) | (owner[:, None, :] == owner[:, :, None])) & (owner[:, None, :] >= 0)
     return model.hidden(ids, positions=positions, mask=mask)  # (B, T, d)
@@ -139,7 +142,6 @@ def _hidden(model: DecoderLM, batch: list[_Row]) -> Tensor:
 
 def _score_batch(model: DecoderLM, batch: list[_Row]) -> dict[tuple[int, int], Score]:
     """Each (item index, choice) of a batch's score: the head applied where a continuation token is predicted."""
-    hidden = _hidden(model, batch)
     where, targets, owners = [], [], []
     for b, row in enumerate(batch):
         for c, pairs in enumerate(row.scored):
@@ -148,8 +150,9 @@ def _score_batch(model: DecoderLM, batch: list[_Row]) -> dict[tuple[int, int], S
                 targets.append(token)
                 owners.append((row.group.index, c))
     keys = [(row.group.index, c) for row in batch for c in range(len(row.scored))]
-    if not targets:  # every continuation merged into its context: nothing to score
+    if not targets:  # every continuation merged into its context (rows may even be empty): nothing to score
         return {key: Score(0.0, True, 0) for key in keys}
+    hidden = _hidden(model, batch)
     index = torch.tensor(where, device=hidden.device)
     picked = hidden[index[:, 0], index[:, 1]]  # (K, d): only the positions that are scored
     target = torch.tensor(targets, device=hidden.device)
