@@ -2,18 +2,24 @@
 
 The steps are the training loop's (qkv.training.loop: batches from the embedded corpus, forward, backward,
 fused AdamW), timed by its on_step hook, with evaluation and checkpoints off; the first --warmup steps are
-not counted. MFU (model FLOPs utilisation) = model FLOPs per second / peak fp32 matmul FLOP/s, with the peak
-measured in the same run (large square matmuls), so the ratio means the same on any machine. Model FLOPs per
-token follow the PaLM/nanoGPT estimate: 6·N (forward + backward through the non-embedding weights, including
-the output head) + 12·L·T·d (attention scores and mixing).
+not counted. MFU (model FLOPs utilisation) = model FLOPs per second / peak matmul FLOP/s, with the peak
+measured in the same run (large square matmuls), so the ratio means the same on any machine: on the CPU the
+best fp32 2048² product; on CUDA the mean of ten 8192² products in the run's dtype (bf16 for --dtype bfloat16)
+after three warm-ups. Model FLOPs per token follow the PaLM/nanoGPT estimate: 6·N (forward + backward through
+the non-embedding weights, including the output head) + 12·L·T·d (attention scores and mixing).
 
     python benchmarks/train_throughput.py                         # the default `qkv train` shape
     python benchmarks/train_throughput.py --n-layers 6 --d-model 384 --n-heads 6 --block-size 256 --batch-size 64
+    # GPT-2 124M's shape on a GPU: bf16 autocast, torch.compile, AdamW, a 50,304-entry vocabulary (the char
+    # corpus uses 78 of them; the head's matmul costs what GPT-2's does)
+    python benchmarks/train_throughput.py --gpt --n-layers 12 --d-model 768 --n-heads 12 --n-kv-heads 12 \
+        --block-size 1024 --batch-size 32 --vocab-size 50304 --optimizer adamw --device cuda --dtype bfloat16 --compile
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -23,9 +29,12 @@ from torch import nn
 
 from qkv import DecoderLM
 from qkv.bench import save_report
+from qkv.io import DTYPES
+from qkv.io.devices import resolve_device
 from qkv.tasks import train
 from qkv.tasks.lm import DEFAULT_MODEL, LMConfig
 from qkv.training import Hooks, StepInfo
+from qkv.training.config import OPTIMIZERS
 
 # nanoGPT's block: learned positions, LayerNorm, GELU, biases (DecoderLMConfig's own defaults).
 GPT_BLOCK = {"positions": "learned", "norm": "layer", "activation": "gelu", "bias": True, "dropout": 0.0}
@@ -44,8 +53,10 @@ class Throughput:
     flops_per_token: float
 
 
-def peak_matmul_flops(n: int = 2048, repeats: int = 10) -> float:
-    """Best observed fp32 FLOP/s of an n×n @ n×n matmul (2·n³ FLOPs each)."""
+def peak_matmul_flops(n: int = 2048, repeats: int = 10, device: str = "cpu", dtype: str = "float32") -> float:
+    """Peak FLOP/s of an n×n @ n×n matmul (2·n³ FLOPs each): CPU, the best of `repeats`; CUDA, see cuda_matmul_flops."""
+    if torch.device(device).type == "cuda":
+        return cuda_matmul_flops(device=device, dtype=dtype, repeats=repeats)
     a, b = torch.randn(n, n), torch.randn(n, n)
     best = float("inf")
     for _ in range(repeats):
@@ -53,6 +64,21 @@ def peak_matmul_flops(n: int = 2048, repeats: int = 10) -> float:
         a @ b
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best
+
+
+def cuda_matmul_flops(n: int = 8192, repeats: int = 10, device: str = "cuda", dtype: str = "bfloat16",
+                      warmup: int = 3) -> float:  # fmt: skip
+    """Mean FLOP/s of `repeats` n³ matmuls in `dtype` on a GPU after `warmup` ones, timed by CUDA events."""
+    a, b = (torch.randn(n, n, device=device, dtype=getattr(torch, dtype)) for _ in range(2))
+    for _ in range(warmup):  # clocks up, cuBLAS picks its kernel
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * n**3 * repeats / (start.elapsed_time(end) / 1000)
 
 
 def flops_per_token(model: DecoderLM) -> float:
@@ -65,13 +91,37 @@ def flops_per_token(model: DecoderLM) -> float:
     return 6 * n + 12 * cfg.n_layers * cfg.max_positions * cfg.d_model
 
 
-def measure(cfg: LMConfig, warmup: int = 3) -> Throughput:
-    """Train cfg.max_steps steps with the loop's hooks; time every step after the warm-up ones."""
+def widen_vocab(model: DecoderLM, vocab_size: int) -> None:
+    """Give the model a `vocab_size`-entry embedding and head (tied as before), freshly initialised, in place."""
+    weight = model.embed.tokens.weight
+    model.embed.tokens = nn.Embedding(vocab_size, weight.shape[1], device=weight.device)
+    nn.init.normal_(model.embed.tokens.weight, std=0.02)
+    model.embed.vocab_size = vocab_size
+    model.lm_head = nn.Linear(weight.shape[1], vocab_size, bias=False, device=weight.device)
+    if model.cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.tokens.weight
+    model.cfg = dataclasses.replace(model.cfg, vocab_size=vocab_size)
+
+
+def measure(cfg: LMConfig, warmup: int = 3, vocab_size: int | None = None) -> Throughput:
+    """Train cfg.max_steps steps with the loop's hooks; time every step after the warm-up ones.
+
+    vocab_size: widen the model's vocabulary to this (the data's tokens stay a subset), e.g. GPT-2's on the
+    char corpus: the head's matmul then costs what it costs in GPT-2.
+    """
     models: list[nn.Module] = []
     steps: list[StepInfo] = []
-    peak = peak_matmul_flops()
-    train(cfg, verbose=False, hooks=Hooks(on_model=models.append, on_step=steps.append, evaluate=False))
-    peak = max(peak, peak_matmul_flops())  # measured before and after: the best one is the peak
+
+    def on_model(model: nn.Module) -> None:  # before compile, wrapping and the optimiser: they see the new tables
+        if vocab_size is not None:
+            assert isinstance(model, DecoderLM)
+            widen_vocab(model, vocab_size)
+        models.append(model)
+
+    device = str(resolve_device(cfg.device))
+    peak = peak_matmul_flops(device=device, dtype=cfg.dtype)  # on a GPU, in the dtype the matmuls run in
+    train(cfg, verbose=False, hooks=Hooks(on_model=on_model, on_step=steps.append, evaluate=False))
+    peak = max(peak, peak_matmul_flops(device=device, dtype=cfg.dtype))  # before and after: the best is the peak
     timed = steps[warmup:]
     seconds = sum(s.seconds for s in timed) / len(timed)
     tokens_per_s = sum(s.tokens for s in timed) / sum(s.seconds for s in timed)
@@ -92,28 +142,40 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n-layers", type=int, default=DEFAULT_MODEL["n_layers"])
     p.add_argument("--d-model", type=int, default=DEFAULT_MODEL["d_model"])
     p.add_argument("--n-heads", type=int, default=DEFAULT_MODEL["n_heads"])
+    p.add_argument("--n-kv-heads", type=int, default=DEFAULT_MODEL["n_kv_heads"],
+                   help="key/value heads (the recipe's 1, also under --gpt; --n-heads' value: multi-head)")  # fmt: skip
     p.add_argument("--block-size", type=int, default=defaults.block_size)
     p.add_argument("--batch-size", type=int, default=defaults.batch_size)
     p.add_argument("--steps", type=int, default=20, help="timed steps (after --warmup more)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--gpt", action="store_true", help="nanoGPT's block (learned positions, LayerNorm, GELU, biases)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="autocast dtype (and the peak's, on CUDA)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (the loop's --compile)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, help="adamw or muon (default: the task's recipe)")
+    p.add_argument("--vocab-size", type=int, help="widen the model's vocabulary to this (default: the corpus's)")
     p.add_argument("--json", help="also write the result to this file")
     args = p.parse_args(argv)
-    model: dict[str, Any] = {"n_layers": args.n_layers, "d_model": args.d_model, "n_heads": args.n_heads}
+    model: dict[str, Any] = {"n_layers": args.n_layers, "d_model": args.d_model, "n_heads": args.n_heads,
+                             "n_kv_heads": args.n_kv_heads}  # fmt: skip
     if args.gpt:
         model |= GPT_BLOCK
+    extra = {"optimizer": args.optimizer} if args.optimizer else {}
     cfg = LMConfig(model=model, block_size=args.block_size, batch_size=args.batch_size, device=args.device,
-                   dtype=args.dtype, max_steps=args.warmup + args.steps, warmup_steps=0, sample_tokens=0)  # fmt: skip
-    result = measure(cfg, args.warmup)
-    print(f"config: {args.n_layers} layers × {args.d_model}, {args.n_heads} heads, block {args.block_size}, "
-          f"batch {args.batch_size}, {'GPT block' if args.gpt else 'qkv default block'}, {args.dtype}, "
-          f"{torch.get_num_threads()} threads")  # fmt: skip
+                   dtype=args.dtype, compile=args.compile, max_steps=args.warmup + args.steps, warmup_steps=0,
+                   sample_tokens=0, **extra)  # fmt: skip
+    result = measure(cfg, args.warmup, args.vocab_size)
+    threads = f"{torch.get_num_threads()} threads" if resolve_device(args.device).type == "cpu" else args.device
+    vocab = f", vocab {args.vocab_size:,}" if args.vocab_size else ""
+    print(f"config: {args.n_layers} layers × {args.d_model}, {args.n_heads} heads ({args.n_kv_heads} key/value), "
+          f"block {args.block_size}{vocab}, "
+          f"batch {args.batch_size}, {'GPT block' if args.gpt else 'qkv default block'}, {args.dtype}"
+          f"{', compiled' if args.compile else ''}, {cfg.optimizer}, {threads}")  # fmt: skip
     print(f"{'params':>10} {'tokens/s':>10} {'ms/step':>9} {'model TFLOP/s':>14} {'peak TFLOP/s':>13} {'MFU':>6}")
     print(f"{result.params_m:>9.2f}M {result.tokens_per_s:>10,.0f} {result.ms_per_step:>9.1f} "
           f"{result.model_tflops_per_s:>14.4f} {result.peak_tflops_per_s:>13.4f} {result.mfu:>6.1%}")  # fmt: skip
-    save_report(args.json, {"config": cfg.to_dict(), "batch_size": args.batch_size, **asdict(result)})
+    save_report(args.json, {"config": cfg.to_dict(), "batch_size": args.batch_size, "block_size": args.block_size,
+                            "device": args.device, **asdict(result)})  # fmt: skip
 
 
 if __name__ == "__main__":
