@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import qkv.generation
 from qkv.cli import main
-from qkv.cli.runs import _TextStream
+from qkv.cli.runs import TextStream
 from qkv.config import DecoderLMConfig
 from qkv.data import load_shakespeare
 from qkv.data.cache import open_text
@@ -433,7 +433,7 @@ def test_streamed_text_equals_the_decoded_whole(prompt: str, text: str, words: l
         (_byte_decode, list(prompt.encode()), list(text.encode())),  # multi-byte characters split over tokens
         (_metaspace_decode, words[:1], words[1:]),
     ]:
-        streamed = _TextStream(decode, context)
+        streamed = TextStream(decode, context)
         pieces = [streamed.push(t) for t in tokens]
         assert all("\ufffd" not in p for p in pieces)  # never half a character on the screen
         expected = decode(context + tokens)[len(decode(context)) :]
@@ -447,7 +447,7 @@ def test_streaming_goes_on_after_a_decoder_rewrites_printed_text() -> None:
     def decode(ids: list[int]) -> str:
         return "".join(pieces_of[i] for i in ids).replace(" '", "'")
 
-    streamed = _TextStream(decode, [0])
+    streamed = TextStream(decode, [0])
     pieces = [streamed.push(t) for t in (1, 2, 3, 4, 5)]
     assert pieces == [" ", "'", "s", " king", "!"]  # the rewrite cannot take back the space; nothing stalls
     assert streamed.end() == ""

@@ -67,10 +67,12 @@ class _Source:
 
 def _metadata(directory: Path) -> dict[str, Any]:
     """The special token ids and chat template of the checkpoint a fine-tuned run started from, if any."""
+    from qkv.chat import template_source
     from qkv.io.files import load_json
 
     base = load_json(directory / "config.json").get("base") or {}
-    return dict(base.get("metadata") or {})
+    template = template_source(directory)  # a chat run's own (--chat-template), else its checkpoint's
+    return {**dict(base.get("metadata") or {}), **({"chat_template": template} if template else {})}
 
 
 def _read(src: Path, base: str | None = None) -> _Source:
@@ -195,6 +197,10 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         _write_gguf(source, dst, args.dtype)
     else:
         _write_hf(source, dst)
+    if args.to != "gguf" and source.metadata.get("chat_template"):  # (a GGUF file holds it in its metadata)
+        from qkv.chat import ChatTemplate
+
+        ChatTemplate(source.metadata["chat_template"]).save(dst)  # chat_template.jinja, as transformers writes it
     n_params = sum(p.numel() for p in model.parameters())
     kind = {"hf": "Hugging Face directory", "gguf": f"GGUF file ({args.dtype})", "qkv": "qkv directory"}[args.to]
     note = "" if tokenizer is not None else " (no tokenizer found)"

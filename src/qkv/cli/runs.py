@@ -28,11 +28,7 @@ def register(sub: Any) -> None:
     p.set_defaults(handler=cmd_generate)
     p.add_argument("run_dir", help="a run directory written by `qkv train` (or `qkv convert`)")
     p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
-    p.add_argument("--max-new-tokens", type=int, default=500)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--seed", type=int, default=None)
+    sampling_options(p)
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
@@ -40,7 +36,7 @@ def register(sub: Any) -> None:
     p.add_argument("--quantize", choices=("int8",),
                    help="int8: every Linear's weight in 1 byte with a scale per output channel, activations in "
                         "--dtype (a quarter of float32's bytes per token)")  # fmt: skip
-    _run_options(p)
+    run_options(p)
 
     p = sub.add_parser("eval", help="a run's measures on its held-out data (loss, BLEU, accuracy …), or any "
                                     "causal LM's benchmark scores (--bench) and bits per byte (--bpb)")  # fmt: skip
@@ -60,7 +56,7 @@ def register(sub: Any) -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--beam", type=int, default=4, help="translation runs: beam size compared with greedy")
     _penalty_options(p)
-    _run_options(p)
+    run_options(p)
 
     p = sub.add_parser("translate", help="translate sentences with a run of `qkv train translate` or a MarianMT model")
     p.set_defaults(handler=cmd_translate)
@@ -70,10 +66,19 @@ def register(sub: Any) -> None:
     p.add_argument("--beam", type=int, help="beam size (1 = greedy; default 4, or a MarianMT model's num_beams)")
     _penalty_options(p)
     p.add_argument("--attention-maps", metavar="OUTDIR", help="write one cross-attention PNG per layer here")
-    _run_options(p)
+    run_options(p)
 
 
-def _run_options(p: argparse.ArgumentParser) -> None:
+def sampling_options(p: argparse.ArgumentParser) -> None:
+    """How the next token is picked, shared by `qkv generate` and `qkv chat`."""
+    p.add_argument("--max-new-tokens", type=int, default=500)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def run_options(p: argparse.ArgumentParser) -> None:
     """Which weights, on which device."""
     p.add_argument("--checkpoint", default="best", help="best or last")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
@@ -129,7 +134,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # stream() checks its arguments now, before anything is printed.
     steps = stream(run.model, ids, args.max_new_tokens, sampling, tokenizer.eos_id, not args.no_cache)
     texts: list[list[int]] = [[] for _ in range(args.num_samples)]
-    streamed = _TextStream(tokenizer.decode, prompt_ids.tolist())  # sample 1, when it is the only one
+    streamed = TextStream(tokenizer.decode, prompt_ids.tolist())  # sample 1, when it is the only one
     if args.num_samples == 1:
         sys.stdout.write(args.prompt)
     for step in steps:
@@ -147,7 +152,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-class _TextStream:
+class TextStream:
     """Text of a growing token sequence, piece by piece, decoding only the newest tokens (not O(T²))."""
 
     def __init__(self, decode: Callable[[list[int]], str], context: list[int]) -> None:

@@ -22,6 +22,7 @@ from qkv.lab.softmax import entropy
 from qkv.models import DecoderLM
 
 TOP_TOKENS = 20  # rows of the next-token chart
+CHAT_OPENING = "Hello! What can you do?"  # a chat run's first message on the page
 MAX_WEIGHTS = 1 << 24  # attention weights of one text, all layers and heads: 64 MB of float32 (and as many scores)
 
 
@@ -40,7 +41,22 @@ def describe(run: Any) -> dict[str, Any]:
     """What the page needs to set up its controls for a run: task, layers, heads and context length."""
     cfg = run.model.cfg
     return {"task": run.task, "n_layers": max(_layers(cfg)), "n_heads": cfg.n_heads,
-            "max_positions": cfg.max_positions, "causal": isinstance(run.model, DecoderLM)}  # fmt: skip
+            "max_positions": cfg.max_positions, "causal": isinstance(run.model, DecoderLM),
+            "chat_prompt": chat_prompt(run)}  # fmt: skip
+
+
+def chat_prompt(run: Any) -> str | None:
+    """A chat run's (one trained on conversations) opening text: a first message in its own template, ready for
+    the reply, so the page shows the roles' markers and the model answers; None for other runs."""
+    from qkv.chat import ChatTemplate
+    from qkv.chat.template import TEMPLATE_FILE
+
+    template = getattr(run, "directory", None) and run.directory / TEMPLATE_FILE
+    if not template or not template.is_file():
+        return None
+    first = [{"role": "user", "content": CHAT_OPENING}]
+    source = template.read_text(encoding="utf-8")
+    return ChatTemplate.of(source, run.require_tokenizer()).render(first, add_generation_prompt=True)
 
 
 def attention(run: Any, text: str, layer: int | None = None, head: int | None = None) -> dict[str, Any]:

@@ -9,6 +9,15 @@ from qkv.data.tokens import open_data
 from qkv.errors import QkvError
 from qkv.tokenizers import Tokenizer
 
+# Fine-tuning a pretrained model (--init-from) never inherits the speedrun: AdamW at a small learning rate with a
+# short warmup, short runs (each step of a 135M model takes seconds on a CPU), and a short sample. LoRA's adapters
+# take a larger rate than full fine-tuning, as in the LoRA paper and PEFT's and litgpt's recipes.
+FINETUNE_DEFAULTS: dict[bool, dict[str, Any]] = {
+    lora: {"optimizer": "adamw", "lr": 2e-4 if lora else 3e-5, "warmup_steps": 10, "weight_decay": 0.0,
+           "beta2": 0.999, "max_steps": 100, "eval_interval": 50, "eval_tokens": 8192, "sample_tokens": 100}
+    for lora in (False, True)
+}  # fmt: skip
+
 CHANGEABLE = ("dropout", "attention_dropout")  # regularisation while fine-tuning; the weights stay as they are
 
 

@@ -21,13 +21,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from qkv.blocks.lora import DEFAULT_TARGETS, add_lora
+from qkv.chat import is_chat_file
 from qkv.config import DecoderLMConfig
 from qkv.data.batches import random_windows, to_device
 from qkv.data.options import TokenizerRecipe
 from qkv.data.tokens import TokenData, TokenSplit
 from qkv.errors import QkvError
 from qkv.finetune import Base, check_reference, load_base, load_lora_run, lora_spec_of
-from qkv.finetune.settings import check_data_tokenizer, finetuned_config
+from qkv.finetune.settings import FINETUNE_DEFAULTS, check_data_tokenizer, finetuned_config
 from qkv.generation import Sampling, stream
 from qkv.io.run_dir import read_run_config
 from qkv.models import DecoderLM, QkvModel
@@ -39,6 +40,7 @@ from qkv.training.config import OPTIMIZERS, absolute, dashed
 from qkv.training.evaluate import LossSums, eval_rows, token_bytes_of
 
 TOKENIZERS = ("char", "bpe", "gpt2")  # of a text file; a data directory has its own
+CHAT_BLOCK_SIZE = 1024  # conversation data's context: longer conversations are dropped
 
 # The default recipe is a speedrun (benchmarks/SPEEDRUN.md): the fastest way found on a 2-core CPU to the
 # full-validation loss nanoGPT's CPU recipe ends at on the embedded Shakespeare (1.96): nanoGPT's width (128)
@@ -46,14 +48,6 @@ TOKENIZERS = ("char", "bpe", "gpt2")  # of a text file; a data directory has its
 # multiply-adds per token), Muon for the blocks' matrices at a high learning rate, windows of 128 characters
 # in batches of 8 and a cosine schedule as long as the run; periodic evaluations read a sample of the
 # validation split, the last one all of it.
-# Fine-tuning a pretrained model (--init-from) never inherits the speedrun: AdamW at a small learning rate with a
-# short warmup, short runs (each step of a 135M model takes seconds on a CPU), and a short sample. LoRA's adapters
-# take a larger rate than full fine-tuning, as in the LoRA paper and PEFT's and litgpt's recipes.
-FINETUNE_DEFAULTS: dict[bool, dict[str, Any]] = {
-    lora: {"optimizer": "adamw", "lr": 2e-4 if lora else 3e-5, "warmup_steps": 10, "weight_decay": 0.0,
-           "beta2": 0.999, "max_steps": 100, "eval_interval": 50, "eval_tokens": 8192, "sample_tokens": 100}
-    for lora in (False, True)
-}  # fmt: skip
 
 DEFAULT_MODEL: dict[str, Any] = {
     "n_layers": 3,
@@ -100,6 +94,8 @@ class LMConfig(TextConfig):
                                    "(none: train every weight)", fixed=True)  # fmt: skip
     lora_alpha: float | None = option(None, "LoRA's α: the update is scaled by α / rank (none: 2 × rank)", fixed=True)
     lora_dropout: float = option(0.0, "LoRA: dropout on the adapters' input", fixed=True)
+    chat_template: str | None = option(None, "a Jinja chat template file for conversation data (--data chat.jsonl) "
+                                       "on a checkpoint without one", fixed=True)  # fmt: skip
     lora_targets: str = option(",".join(DEFAULT_TARGETS), "LoRA: the Linear layers adapted, comma-separated (a "
                                "plain name matches a module name's last part, a regex the whole name)",
                                fixed=True)  # fmt: skip
@@ -115,6 +111,12 @@ class LMConfig(TextConfig):
                 if name not in self.given:
                     setattr(self, name, value)
             self.init_from = absolute(self.init_from)
+            if is_chat_file(self.data) and "block_size" not in self.given:
+                self.block_size = CHAT_BLOCK_SIZE  # whole conversations, not windows: the longest that fit
+        self.chat_template = absolute(self.chat_template)
+        if self.chat_template is not None and not is_chat_file(self.data):
+            raise QkvError("--chat-template renders conversations: give --data a JSON Lines file of "
+                           '{"messages": [{"role": …, "content": …}, …]}')  # fmt: skip
         if self.lora_rank is not None and self.lora_alpha is None:
             self.lora_alpha = 2.0 * self.lora_rank
         super().__post_init__()
@@ -196,11 +198,10 @@ class LMTask(Task):
         whose tokenizer the data must have been prepared with.
         """
         cfg = self.cfg
-        reference = self.stored_base = read_run_config(run_dir).get("base") if resume else None
         if cfg.init_from is not None and (not resume or cfg.lora_rank is not None):
-            if reference is not None:  # the very weights the adapters were trained on
-                check_reference(reference, run_dir)
-            self.base = load_base(cfg.init_from, reference)
+            self.load_base(run_dir, resume)
+        elif resume:
+            self.stored_base = read_run_config(run_dir).get("base")
         stored = load_tokenizer(run_dir) if resume else None
         new = self.base.tokenizer if self.base is not None else new_tokenizer(cfg)
         name = Path(cfg.init_from).name if cfg.init_from is not None else cfg.tokenizer or "char"
@@ -211,6 +212,22 @@ class LMTask(Task):
         self.token_bytes = token_bytes_of(self.tokenizer)
         self.train = self.data.split("train")
         check_window_fits(self.cfg.block_size, self.train)
+
+    def load_base(self, run_dir: Path, resume: bool) -> None:
+        """The checkpoint --init-from names; on resume, the very weights the run was trained on (hash-checked)."""
+        assert self.cfg.init_from is not None
+        reference = self.stored_base = read_run_config(run_dir).get("base") if resume else None
+        if reference is not None:
+            check_reference(reference, run_dir)
+        self.base = load_base(self.cfg.init_from, reference)
+
+    @classmethod
+    def for_config(cls, cfg: RunConfig) -> type[Task]:
+        """ChatTask for a JSON Lines file of conversations; this task for text."""
+        from qkv.tasks.chat import ChatTask
+
+        assert isinstance(cfg, LMConfig)
+        return ChatTask if is_chat_file(cfg.data) else cls
 
     def new_model_config(self) -> DecoderLMConfig:
         """A DecoderLM over the tokenizer's vocabulary with a context of block_size tokens (a fine-tuning run: its
@@ -350,6 +367,10 @@ class LMRun(LoadedRun):
         """Loss, perplexity and bits per byte (where the tokenizer says its tokens' bytes) over the validation split
         (final_eval_tokens of it, if set), in windows of the training block size: training's last evaluation."""
         options.refuse_beam_options(self.task)
+        if is_chat_file(self.config.data):  # a chat run: the loss over its held-out conversations' replies
+            from qkv.tasks.chat import evaluate_run
+
+            return evaluate_run(self, options.batch_size)
         cfg, val = self.config, self.validation_data()
         rows = eval_rows(options.batch_size, cfg.block_size, self.model.cfg.vocab_size)
         sums = evaluate_sums(self.model, val, cfg.block_size, rows, self.device, cfg.final_eval_tokens,

@@ -106,7 +106,7 @@ def fit(task: type[Task], cfg: RunConfig, verbose: bool = True, hooks: Hooks | N
         if not cfg.resume and ((run_dir / STATE_FILE).exists() or (run_dir / BEST_FILE).exists()):
             raise QkvError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --out-dir")
         with cpu_threads(cfg.cpu_threads, ctx.device):
-            trained = task(cfg, stored["model"] if stored else None)
+            trained = task.for_config(cfg)(cfg, stored["model"] if stored else None)
             return _Trainer(trained, cfg, run_dir, ctx, verbose, hooks or Hooks(), stored).run()
 
 

@@ -98,6 +98,11 @@ class Task(ABC):
         """The default run directory's name, before its timestamp."""
         return cls.name
 
+    @classmethod
+    def for_config(cls, cfg: RunConfig) -> type[Task]:
+        """The class that trains `cfg`: this one, or a variant for the data it names (the language model's chat)."""
+        return cls
+
     @abstractmethod
     def setup(self, run_dir: Path, resume: bool) -> None:
         """Prepare the data and the tokenizer (on resume, the run's own tokenizer from run_dir)."""

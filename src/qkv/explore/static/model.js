@@ -187,6 +187,7 @@ async function openRun(name) {
   state.layer = 0; state.head = 0;
   $("gen-panel").hidden = !info.causal;
   if (info.task === "translate" && text() === "ROMEO: But, soft!") $("model-text").value = "Wie geht es dir?";
+  if (info.chat_prompt && text() === "ROMEO: But, soft!") $("model-text").value = info.chat_prompt;  // a chat run: its template
   resetGeneration();
   await Promise.all([refreshAttention(), info.causal ? refreshNext() : null]);
 }

@@ -1,0 +1,148 @@
+"""Conversations for fine-tuning: a JSON Lines file of {"messages": [{"role", "content"}, …]}, rendered with the
+model's chat template, tokenized whole, and a loss mask that trains only what the assistant says.
+
+The file is read directly, not through `qkv prepare`: a supervised fine-tuning set is thousands of conversations,
+not billions of tokens, and each conversation is one example (padded, never cut into windows across conversations),
+so it is tokenized in memory when the run starts. A conversation longer than the context is dropped, not cut: a
+truncated one would teach replies that stop mid-sentence without their end-of-turn token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qkv.chat.template import ROLES, ChatTemplate, Message
+from qkv.errors import QkvError
+from qkv.tokenizers import Tokenizer
+
+CHAT_SUFFIXES = (".jsonl", ".ndjson")
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")  # ChatML, Llama 3, Phi-3, Gemma
+FORMAT = '{"messages": [{"role": "user", "content": "…"}, {"role": "assistant", "content": "…"}]}'
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One line of the file: its messages, and its line number for messages."""
+
+    messages: list[Message]
+    line: int
+
+
+def is_chat_file(path: str | Path | None) -> bool:
+    """Whether `path` is a JSON Lines file of conversations (its first object has "messages")."""
+    if path is None or not Path(path).is_file() or not str(path).endswith(CHAT_SUFFIXES):
+        return False
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    first = json.loads(line)
+                except json.JSONDecodeError:
+                    return False
+                return isinstance(first, dict) and "messages" in first
+    return True  # empty: read_conversations says so
+
+
+def _check_message(message: Any, where: str) -> Message:
+    """A {"role", "content"} message, or a one-line error naming where it is and what to write."""
+    if not isinstance(message, dict):
+        raise QkvError(f"{where} is not an object; write each message as {{\"role\": …, \"content\": …}}")
+    for key in ("role", "content"):
+        if not isinstance(message.get(key), str):
+            raise QkvError(f"{where} has no \"{key}\" string; give each message a \"role\" and a \"content\"")
+    if message["role"] not in ROLES:
+        raise QkvError(f"{where} has role {message['role']!r}; use one of: {', '.join(ROLES)}")
+    return {"role": message["role"], "content": message["content"]}
+
+
+def parse_conversation(line: str, number: int, source: str) -> Conversation:
+    """One JSON Lines line as a conversation with at least one assistant message."""
+    where = f"{source} line {number}"
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise QkvError(f"{where} is not JSON ({e.msg}); write one conversation per line: {FORMAT}") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("messages"), list):
+        raise QkvError(f"{where} has no \"messages\" list; write one conversation per line: {FORMAT}")
+    messages = [_check_message(m, f"{where}, message {i + 1}") for i, m in enumerate(obj["messages"])]
+    if not any(m["role"] == "assistant" for m in messages):
+        raise QkvError(f"{where} has no assistant message, so nothing to learn from; add the reply or drop the line")
+    return Conversation(messages, number)
+
+
+def read_conversations(path: str | Path) -> list[Conversation]:
+    """Every conversation of a JSON Lines file (blank lines skipped), checked."""
+    path = Path(path)
+    with open(path, encoding="utf-8") as f:
+        found = [parse_conversation(line, n, str(path)) for n, line in enumerate(f, 1) if line.strip()]
+    if not found:
+        raise QkvError(f"{path} holds no conversations; write one per line: {FORMAT}")
+    return found
+
+
+def end_of_turn(tokenizer: Tokenizer) -> str | None:
+    """The text of the token that ends a turn: a known end-of-turn marker in the vocabulary, else end-of-text."""
+    for marker in END_OF_TURN:
+        if len(tokenizer.encode(marker)) == 1:
+            return marker
+    return tokenizer.decode([tokenizer.eos_id]) if tokenizer.eos_id is not None else None
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of a and b."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _first_token(ids: Sequence[int], tokenizer: Tokenizer, prefix: str, inclusive: bool) -> int:
+    """The index of the token in `ids` where the text `prefix` ends (inclusive: the token that holds its last
+    character, when a token straddles the boundary)."""
+    head = tokenizer.encode(prefix)
+    n = _common(ids, head)
+    return n if n == len(head) or not inclusive else n + 1
+
+
+def assistant_spans(template: ChatTemplate, messages: Sequence[Message], text: str,
+                    eot: str | None) -> list[tuple[int, int]]:  # fmt: skip
+    """Character spans of `text` (the rendered conversation) that the assistant says: each assistant message's
+    content and the end-of-turn marker right after it."""
+    spans, cursor = [], 0
+    for i, message in enumerate(messages):
+        content = message["content"]
+        start = -1
+        if message["role"] == "assistant":  # where the template opens this turn: exact when it renders prefixes alike
+            opening = template.render(messages[:i], add_generation_prompt=True)
+            if text.startswith(opening) and text.startswith(content, len(opening)):
+                start = len(opening)
+        start = text.find(content, cursor) if start < 0 else start
+        if start < 0:
+            raise QkvError(f"the chat template does not write message {i + 1}'s content as it is; qkv finds each "
+                           "assistant reply in the rendered text to train on it")  # fmt: skip
+        cursor = end = start + len(content)
+        if message["role"] == "assistant":
+            if eot is not None and text.startswith(eot, end):
+                end += len(eot)
+            spans.append((start, end))
+    return spans
+
+
+def encode_chat(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message],
+                eot: str | None = None) -> tuple[list[int], list[bool]]:  # fmt: skip
+    """The rendered conversation's token ids, and for each token whether the loss trains on it (assistant content
+    and its end-of-turn token `eot`, found if not given; a token that straddles a span's edge is trained)."""
+    text = template.render(messages)
+    ids = tokenizer.encode(text)
+    mask = [False] * len(ids)
+    eot = end_of_turn(tokenizer) if eot is None else eot
+    for start, end in assistant_spans(template, messages, text, eot):
+        first = _first_token(ids, tokenizer, text[:start], inclusive=False)
+        last = _first_token(ids, tokenizer, text[:end], inclusive=True)
+        for j in range(first, min(last, len(ids))):
+            mask[j] = True
+    return ids, mask
