@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import multiprocessing
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from qkv.attention.sdpa import scaled_dot_product_attention
-from qkv.bench import save_report, status_bytes
+from qkv.bench import reset_peak_rss, save_report, status_bytes
 from qkv.io import DTYPES
 
 HEADS, D_HEAD = 8, 64
@@ -82,15 +80,6 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _reset_peak_rss() -> int:
-    """Return freed heap to the OS, restart the peak-RSS mark at the current RSS, and return that RSS (bytes)."""
-    libc = ctypes.CDLL(None)
-    if hasattr(libc, "malloc_trim"):  # glibc
-        libc.malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")  # "5" resets VmHWM (Linux ≥ 4.0)
-    return status_bytes("VmRSS")
-
-
 def measure_case(path: str, t: int, device: str, repeats: int, threads: int, dtype: str = "float32",
                  kernel: str = "auto") -> dict[str, float]:  # fmt: skip
     """ms (median of `repeats` forward + backward) and peak extra memory (MiB) of one path at one T, in-process."""
@@ -114,7 +103,7 @@ def _measure(path: str, t: int, device: str, repeats: int, threads: int, dtype: 
         _sync(device)
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        base = _reset_peak_rss()
+        base = reset_peak_rss()
         _step(fn, q, k, v, g)  # the first step after the baseline sets the peak; later ones reuse freed memory
         peak = status_bytes("VmHWM") - base
     times = []

@@ -30,6 +30,7 @@ import qkv
 from qkv.config import DecoderLMConfig
 from qkv.data import load_shakespeare
 from qkv.data.cache import open_text
+from qkv.errors import QkvError
 from qkv.io.files import load_safetensors
 from qkv.models import DecoderLM
 from qkv.tasks import load, train
@@ -262,3 +263,11 @@ def test_torchrun_without_out_dir_agrees_on_one_run_directory(tmp_path: Path, co
     assert run.name.startswith("excerpt-char-")
     assert [r["step"] for r in _rows(run)] == [5]
     assert len(re.findall(r"^step +5 ", done.stderr, flags=re.M)) == 1
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_batch_norm_is_refused_under_every_multi_process_strategy(strategy: str) -> None:
+    model = DecoderLM(DecoderLMConfig(vocab_size=20, d_model=16, n_layers=1, n_heads=2, norm="batch"))
+    ctx = DistContext(rank=0, world_size=2, strategy=strategy, device=torch.device("cpu"))  # refused before any call
+    with pytest.raises(QkvError, match="norm=batch keeps per-rank running statistics"):
+        wrap_model(model, ctx)

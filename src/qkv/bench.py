@@ -38,6 +38,18 @@ def status_bytes(field: str, pid: int | str = "self") -> int:
     return next((int(line.split()[1]) * 1024 for line in lines if line.startswith(field + ":")), 0)  # in kB
 
 
+def reset_peak_rss() -> int:
+    """Return freed heap to the OS, restart this process's peak-RSS mark (VmHWM) at its current RSS, and return
+    that RSS in bytes: what a step allocates after it shows as VmHWM − the result."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "malloc_trim"):  # glibc
+        libc.malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")  # "5" resets VmHWM (Linux ≥ 4.0)
+    return status_bytes("VmRSS")
+
+
 def _descendants(root: int) -> list[int]:
     """A process and all its descendants, from /proc."""
     parents: dict[int, int] = {}

@@ -5,6 +5,7 @@
     config.py       RunConfig: the settings every task shares, defined and validated once
     checkpoint.py   crash-safe training state (weights, optimiser, RNGs) for exact resume
     distributed.py  DDP and FSDP under torchrun
+    recompute.py    activation checkpointing: each layer recomputed in the backward pass
     evaluate.py     the language models' evaluation protocol (every position predicted once), bits per byte
 The tasks themselves (language model, translation, masked LM, copy/reverse) are in qkv.tasks.
 """

@@ -72,6 +72,8 @@ class RunConfig:
     device: str = option("auto", "auto, cpu, cuda, cuda:N or mps")
     dtype: str = option("float32", "autocast dtype (weights stay float32)", choices=DTYPES)
     compile: bool = option(False, "torch.compile the model (whole graphs only: a graph break is an error)")
+    activation_checkpointing: bool = option(False, "recompute each layer's activations in the backward pass instead "
+                                            "of keeping them: less memory, one more forward per layer")  # fmt: skip
     cpu_threads: int | None = option(None, "intra-op CPU threads (none: one per core)")
     strategy: str = option("ddp", "with several processes: ddp, or fsdp (sharded parameters)", choices=STRATEGIES)
     dist_timeout: float = option(60.0, "seconds a collective waits for a dead or hung process")

@@ -130,13 +130,13 @@ def wrap_model(model: nn.Module, ctx: DistContext) -> nn.Module:
     """The module to train: DDP around `model`, or `model` itself sharded in place by FSDP2's fully_shard."""
     if not ctx.enabled:
         return model
+    # BatchNorm's running statistics would drift apart per rank, whichever the strategy: refused.
+    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        raise QkvError("norm=batch keeps per-rank running statistics; use layer or rms norm with several processes")
     if ctx.strategy == "ddp":
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         # Buffers are fixed tables (rotary, sinusoidal) or fixed routing biases, identical everywhere:
-        # syncing them before every forward would be wasted traffic. BatchNorm's running statistics
-        # would drift apart per rank, so batch norm is refused under more than one process.
-        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-            raise QkvError("norm=batch keeps per-rank running statistics; use layer or rms norm with several processes")
+        # syncing them before every forward would be wasted traffic.
         return DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 

@@ -50,6 +50,7 @@ from qkv.training.config import RunConfig
 from qkv.training.optim import apply_settings, group_settings, make_optimizer
 from qkv.training.plots import plot_losses
 from qkv.training.progress import Progress
+from qkv.training.recompute import checkpoint_layers
 from qkv.training.schedule import LRSchedule
 from qkv.training.signals import deferred_interrupt
 from qkv.training.task import Batch, Evaluation, Task, TrainResult
@@ -151,6 +152,8 @@ class _Trainer:
             raise QkvError("a run with frozen weights (LoRA) trains on one process or with --strategy ddp, not fsdp")
         if hooks.on_model is not None:
             hooks.on_model(self.model)
+        if cfg.activation_checkpointing:
+            checkpoint_layers(self.model)
         self.compiled = None
         if cfg.compile:  # whole graphs only: a graph break raises instead of quietly running parts eagerly
             self.compiled = cast(nn.Module, torch.compile(self.model, fullgraph=True, dynamic=task.dynamic_shapes))
