@@ -176,7 +176,7 @@ def _tiny_run(corpus: Path, out: Path, **overrides: Any) -> list[dict[str, Any]]
     model = {**LMConfig().model, "n_layers": 1, "d_model": 32, "n_heads": 2, "dropout": 0.0}
     settings: dict[str, Any] = {"data": str(corpus), "model": model, "block_size": 32, "batch_size": 4,
                                 "eval_interval": 3, "eval_tokens": 1000, "sample_tokens": 0, "warmup_steps": 2,
-                                "max_steps": 6, "out_dir": str(out), **overrides}  # fmt: skip
+                                "max_steps": 6, "dtype": "float32", "out_dir": str(out), **overrides}  # fmt: skip
     result = train(LMConfig(**settings), verbose=False)
     assert result.step == 6
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -229,7 +229,9 @@ def test_qkv_train_cli_on_cuda_writes_a_checkpoint_that_loads(tmp_path: Path, co
     done = subprocess.run([sys.executable, "-m", "qkv", "train", *args], capture_output=True, text=True,
                           cwd=tmp_path, env=env, timeout=180)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "device cuda" in done.stdout + done.stderr  # the run's first line (on stderr, with the progress bar)
+    # The run's first line (on stderr, with the progress bar): CUDA's defaults, bf16 autocast and TF32.
+    assert "device cuda:0 (bfloat16 autocast, TF32 matmuls)" in done.stdout + done.stderr
+    assert json.loads((out / "config.json").read_text())["training"]["dtype"] == "bfloat16"
     for device in ("cuda", "cpu"):
         trained = load(out, device=device)
         assert next(trained.model.parameters()).device.type == device

@@ -520,3 +520,22 @@ def test_compiled_training_matches_eager(tmp_path: Path, corpus: Path) -> None:
     for compiled, eager in zip(rows[True], rows[False], strict=True):
         assert compiled["train_loss"] == pytest.approx(eager["train_loss"], abs=1e-4)
         assert compiled["val_loss"] == pytest.approx(eager["val_loss"], abs=1e-4)
+
+
+def test_auto_precision_is_float32_on_the_cpu_and_bf16_with_tf32_on_cuda(tmp_path: Path) -> None:
+    from helpers import tiny_data, tiny_settings
+
+    from qkv.io.devices import matmul_precision, resolve_dtype
+    from qkv.tasks import config_class, train
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert (resolve_dtype("auto", cpu), resolve_dtype("auto", cuda)) == ("float32", "bfloat16")
+    assert resolve_dtype("float32", cuda) == "float32" and resolve_dtype("bfloat16", cpu) == "bfloat16"
+    before = torch.backends.cuda.matmul.allow_tf32
+    for device, dtype, tf32 in ((cuda, "bfloat16", True), (cuda, "float32", before), (cpu, "bfloat16", before)):
+        with matmul_precision(device, dtype):
+            assert torch.backends.cuda.matmul.allow_tf32 == tf32
+        assert torch.backends.cuda.matmul.allow_tf32 == before  # restored
+    train(config_class("lm")(**tiny_settings("lm", tiny_data(tmp_path / "data")), out_dir=str(tmp_path / "run")),
+          verbose=False)  # fmt: skip
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["training"]["dtype"] == "float32"

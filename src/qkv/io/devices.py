@@ -13,7 +13,8 @@ import torch
 from qkv.errors import QkvError
 from qkv.io import DTYPES
 
-__all__ = ["DTYPES", "autocast_context", "cpu_threads", "keep_freed_memory", "resolve_device"]
+__all__ = ["DTYPES", "autocast_context", "cpu_threads", "keep_freed_memory", "matmul_precision", "resolve_device",
+           "resolve_dtype"]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -35,6 +36,28 @@ def resolve_device(name: str) -> torch.device:
     elif device.type != "cpu":
         raise QkvError(f"unsupported device {name!r}; use auto, cpu, cuda, cuda:N or mps")
     return device
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> str:
+    """'auto' → bfloat16 on CUDA (its tensor cores, half the activation memory), float32 elsewhere (a CPU has no
+    faster bf16 path for training, and results stay those of full precision); any other name as it is."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+@contextlib.contextmanager
+def matmul_precision(device: torch.device, dtype: str) -> Any:
+    """TF32 for float32 matmuls and convolutions on CUDA while a run in bf16/fp16 trains (the ops autocast leaves
+    in float32); --dtype float32 keeps full float32. Restores the previous setting after."""
+    enabled = device.type == "cuda" and dtype != "float32"
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    if enabled:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield enabled
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 def autocast_context(device: torch.device, dtype: str) -> contextlib.AbstractContextManager[Any]:

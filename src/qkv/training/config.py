@@ -70,7 +70,9 @@ class RunConfig:
     fused_optimizer: bool = option(True, "PyTorch's fused AdamW kernel (off: its multi-tensor implementation)")
     eval_interval: int = option(300, "steps between evaluations and checkpoints")
     device: str = option("auto", "auto, cpu, cuda, cuda:N or mps")
-    dtype: str = option("float32", "autocast dtype (weights stay float32)", choices=DTYPES)
+    dtype: str = option("auto", "autocast dtype, weights stay float32 (auto: bfloat16 with TF32 matmuls on CUDA, "
+                        "float32 elsewhere; float32: full precision everywhere)",
+                        choices=("auto", *DTYPES))  # fmt: skip
     compile: bool = option(False, "torch.compile the model (whole graphs only: a graph break is an error)")
     activation_checkpointing: bool = option(False, "recompute each layer's activations in the backward pass instead "
                                             "of keeping them: less memory, one more forward per layer")  # fmt: skip

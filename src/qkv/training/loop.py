@@ -29,7 +29,14 @@ from torch import nn
 
 from qkv.blocks.lora import lora_modules
 from qkv.errors import QkvError
-from qkv.io.devices import autocast_context, cpu_threads, keep_freed_memory, resolve_device
+from qkv.io.devices import (
+    autocast_context,
+    cpu_threads,
+    keep_freed_memory,
+    matmul_precision,
+    resolve_device,
+    resolve_dtype,
+)
 from qkv.io.files import atomic_save_safetensors
 from qkv.io.run_dir import (
     BEST_FILE,
@@ -106,7 +113,8 @@ def fit(task: type[Task], cfg: RunConfig, verbose: bool = True, hooks: Hooks | N
             raise QkvError(f"--out-dir {run_dir} is a file; give a directory (a new one, or a run to --resume)")
         if not cfg.resume and ((run_dir / STATE_FILE).exists() or (run_dir / BEST_FILE).exists()):
             raise QkvError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --out-dir")
-        with cpu_threads(cfg.cpu_threads, ctx.device):
+        cfg.dtype = resolve_dtype(cfg.dtype, ctx.device)  # stored resolved: the run says what it trained in
+        with cpu_threads(cfg.cpu_threads, ctx.device), matmul_precision(ctx.device, cfg.dtype):
             trained = task.for_config(cfg)(cfg, stored["model"] if stored else None)
             return _Trainer(trained, cfg, run_dir, ctx, verbose, hooks or Hooks(), stored).run()
 
@@ -219,8 +227,10 @@ class _Trainer:
             layout = f", {self.ctx.world_size} processes ({self.ctx.strategy}), global batch {self.state.global_batch}"
         described = self.task.describe()
         data = f"{described}, " if described else ""
+        tf32 = ", TF32 matmuls" if torch.backends.cuda.matmul.allow_tf32 and self.ctx.device.type == "cuda" else ""
+        precision = "" if self.cfg.dtype == "float32" and not tf32 else f" ({self.cfg.dtype} autocast{tf32})"
         self.progress.log(f"qkv train {self.task.name}: {counted}, {data}device "
-                          f"{self.ctx.device}{layout}, run dir {self.run_dir}")  # fmt: skip
+                          f"{self.ctx.device}{precision}{layout}, run dir {self.run_dir}")  # fmt: skip
         self.model.train()
         first_step, first_tokens = self.state.step, self.state.tokens_seen
         losses: list[float] = []
@@ -268,7 +278,10 @@ class _Trainer:
         batches = self._micro_batches()
         local = sum(b.n_targets for b in batches)
         total, tokens = distributed.sum_over_ranks([local, sum(b.n_tokens for b in batches)], ctx)
-        loss_sum = 0.0
+        # Summed on the device, read once per step (not once per micro-batch: each read waits for the GPU), in
+        # float64 as a Python float would be (MPS has no float64).
+        precise = torch.float32 if ctx.device.type == "mps" else torch.float64
+        loss_sum = torch.zeros((), dtype=precise, device=ctx.device)
         for i, batch in enumerate(batches):
             # Gradients are averaged across ranks once per step, in the last micro-batch's backward.
             with distributed.gradient_sync(self.train_model, i == len(batches) - 1):
@@ -277,7 +290,7 @@ class _Trainer:
                 # Each micro-batch counts by its share of the step's targets, all ranks together (DDP then
                 # averages over ranks): the mean over every target of the step, however the batch was cut.
                 self.scaler.scale(loss * (batch.n_targets * ctx.world_size / total)).backward()
-            loss_sum += float(loss.detach()) * batch.n_targets
+            loss_sum += loss.detach().to(loss_sum.dtype) * batch.n_targets
         if cfg.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)
             nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
@@ -286,7 +299,7 @@ class _Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
         self.state.tokens_seen += tokens
-        return loss_sum / local
+        return float(loss_sum) / local
 
     def _micro_batches(self) -> list[Batch]:
         """This rank's micro-batches of the step: slices micro × world + rank of one global draw."""
