@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -121,3 +124,41 @@ def test_the_language_model_and_translation_recipes_use_muon() -> None:
     assert LMConfig(optimizer="muon", strategy="fsdp").strategy == "fsdp"
     with pytest.raises(QkvError, match="unknown optimizer 'sgd'"):
         LMConfig(optimizer="sgd")
+
+
+def _sharded_muon_worker(rank: int, store: str, out: str) -> None:
+    """One of 2 gloo processes: 3 Muon steps replicated and sharded by owner, from the same weights and gradients."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        shapes = [(16, 32)] * 5 + [(32, 16)] * 3  # an odd count per shape: rank 0 owns one matrix more
+        start = [torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(shapes)]
+        final, counts = {}, {}
+        for shard in (False, True):
+            params = [torch.nn.Parameter(w.clone()) for w in start]
+            opt = MuonAdamW([{"params": params, "muon": True, "momentum": 0.95, "weight_decay": 0.1, "shard": shard}],
+                            lr=0.02)  # fmt: skip
+            for step in range(3):
+                for i, p in enumerate(params):  # the same (all-reduced) gradient on every rank, as under DDP
+                    p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + i))
+                opt.step()
+            final[shard] = torch.cat([p.detach().flatten() for p in params])
+            counts[shard] = opt.orthogonalized
+        diff = float((final[True] - final[False]).abs().max())
+        Path(out, f"{rank}.json").write_text(json.dumps({"diff": diff, "counts": counts[True],
+                                                         "replicated": counts[False]}))  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_muon_equals_replicated_muon_with_each_matrix_orthogonalised_on_one_rank(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_sharded_muon_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    results = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
+    assert all(r["diff"] <= 1e-6 for r in results)
+    # 8 matrices × 3 steps: replicated, every rank orthogonalises all 24; sharded, rank 0 owns 3 + 2 and rank 1
+    # owns 2 + 1 of them per step, so each matrix's Newton–Schulz ran on exactly one rank.
+    assert [r["replicated"] for r in results] == [24, 24]
+    assert [r["counts"] for r in results] == [15, 9]

@@ -7,8 +7,10 @@ AdamW, as in Jordan's recipe. The orthogonalisation is five Newton–Schulz iter
 one shape; its step is scaled so that its RMS matches AdamW's (Liu et al., 2025, "Muon is Scalable for LLM
 Training"), so AdamW's learning rate and weight decay carry over. PyTorch's own torch.optim.Muon runs the
 iterations in bfloat16, matrix by matrix, which is slow on CPUs; on CUDA this one uses bfloat16 as well.
-Under FSDP each rank holds a slice of every matrix: the update is gathered whole, orthogonalised (the same on
-every rank) and each rank applies its own slice of it.
+With several processes the orthogonalisation is sharded by owner, as nanochat's Muon is: matrix i of a shape is
+orthogonalised by rank i mod N alone, and one all-gather per shape shares the results (shard=False: every rank
+orthogonalises every matrix, the same result). Under FSDP each rank holds a slice of every matrix: the update is
+gathered whole, orthogonalised by its owner, and each rank applies its own slice of it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from qkv.blocks import DecoderLayer, EncoderLayer
@@ -62,6 +65,8 @@ class MuonAdamW(torch.optim.AdamW):
     their state is a momentum buffer and a step count each, in the same state dict as AdamW's moments.
     """
 
+    orthogonalized = 0  # matrices this process has orthogonalised so far (each once, on one rank, when sharded)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One Muon step for the muon groups, then AdamW's for the others."""
@@ -88,11 +93,30 @@ class MuonAdamW(torch.optim.AdamW):
             by_shape.setdefault(p.shape, []).append((p, p.grad.lerp_(buffer, momentum)))  # Nesterov's look-ahead
             p.grad = None
         for shape, items in by_shape.items():
-            orthogonal = orthogonalize(torch.stack([whole(update) for _, update in items]), steps)
+            updates = [whole(update) for _, update in items]
+            orthogonal = self._orthogonalize(updates, steps, group.get("shard", True))
             scale = 0.2 * math.sqrt(max(shape))  # an update of RMS 0.2, AdamW's typical (Liu et al.)
             for (p, _), update in zip(items, orthogonal, strict=True):
                 local = p.to_local() if hasattr(p, "to_local") else p  # FSDP: this rank's shard of the matrix
                 local.mul_(1 - lr * decay).add_(own_shard(update, p), alpha=-lr * scale)
+
+
+    def _orthogonalize(self, updates: list[Tensor], steps: int, shard: bool) -> list[Tensor]:
+        """Each update orthogonalised: on its owner rank (i mod N) alone when sharded, shared by an all-gather."""
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world == 1 or not shard:
+            self.orthogonalized += len(updates)
+            return list(orthogonalize(torch.stack(updates), steps))
+        rank, n = dist.get_rank(), len(updates)
+        per_rank = -(-n // world)
+        mine = updates[rank::world]
+        self.orthogonalized += len(mine)
+        local = torch.zeros(per_rank, *updates[0].shape, dtype=updates[0].dtype, device=updates[0].device)
+        if mine:
+            local[: len(mine)] = orthogonalize(torch.stack(mine), steps)
+        shared = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(shared, local)  # (per_rank, A, B) from every rank
+        return [shared[i % world][i // world] for i in range(n)]
 
 
 def whole(t: Tensor) -> Tensor:
