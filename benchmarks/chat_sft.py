@@ -104,7 +104,7 @@ def main() -> None:
     data = out / "chat.jsonl"
     write_conversations(data, args.conversations)
     base = load_base(gguf)
-    template = ChatTemplate(base.reference["metadata"]["chat_template"], eos_token="<|im_end|>")
+    template = ChatTemplate.of(base.reference["metadata"]["chat_template"], base.tokenizer)
     if "before" not in results:
         hyps, seconds = translate_chat(base.model.eval(), base.tokenizer, template, sources)
         save("before", {**scores(hyps, refs), "decode_s": round(seconds, 1), "hyps": hyps})
