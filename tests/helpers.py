@@ -239,3 +239,26 @@ def explore_server(cwd: Path, *args: str, timeout: float = 60.0) -> Iterator[Exp
         if process.poll() is None:
             process.kill()
             process.communicate()
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    """The step directory of a run's committed checkpoint (the one checkpoint/latest.json names)."""
+    pointer = json.loads((run_dir / "checkpoint" / "latest.json").read_text())
+    return run_dir / "checkpoint" / pointer["directory"]
+
+
+def read_dcp(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint, whole, by its flattened name (model.…, optimizer.…)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(directory)
+    metadata = reader.read_metadata()
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
+             if isinstance(m, TensorStorageMetadata)}  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return state

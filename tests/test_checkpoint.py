@@ -1,4 +1,4 @@
-"""Tests for qkv.io.files and qkv.training.checkpoint: atomic writes, pickle-free state, clear load errors."""
+"""Tests for qkv.io.files and qkv.training.checkpoint: atomic writes, safetensors and JSON state, clear load errors."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from qkv.errors import QkvError
 from qkv.io import files
 from qkv.training import checkpoint as ckpt
 from qkv.training import train_state
+from qkv.training.distributed import DistContext
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
@@ -204,27 +205,23 @@ def test_rng_round_trip() -> None:
 # --- whole training state ------------------------------------------------------------------------
 
 
+ONE = DistContext(0, 1, "ddp", torch.device("cpu"))  # one process, no process group
+
+
 def test_training_state_round_trip(tmp_path: Path) -> None:
-    """save/load_training_state restores weights, optimizer, RNG, generators and extra."""
+    """save/load_checkpoint restores weights, optimizer (hyperparameters too), RNGs, generators and counters."""
     model_a, opt_a = _model_and_opt()
     _train(model_a, opt_a, steps=2, seed=1)
     gen = torch.Generator().manual_seed(7)
-    extra = {"step": 2, "tokens_seen": 1024, "best_val_loss": 1.5}
-    ckpt.save_training_state(
-        tmp_path / "run",
-        model_state=model_a.state_dict(),
-        optimizer=opt_a,
-        extra=extra,
-        generators={"data": gen},
-    )
-    assert _no_temp_files(tmp_path / "run")
+    extra = {"step": 2, "tokens_seen": 1024, "best": 1.5}
+    ckpt.save_checkpoint(tmp_path / "run", model_a, opt_a, extra, {"data": gen}, ONE, frozen=False).wait()
     expected = (torch.rand(3), torch.rand(3, generator=gen))
 
     model_b, opt_b = _model_and_opt(seed=9)
+    opt_b.param_groups[0]["lr"] = 0.5  # the checkpoint's hyperparameters come back
     gen_b = torch.Generator().manual_seed(0)
-    state, extra_b = ckpt.load_training_state(tmp_path / "run", opt_b, {"data": gen_b})
-    model_b.load_state_dict(state)
-    assert extra_b == extra
+    assert ckpt.load_checkpoint(tmp_path / "run", model_b, opt_b, {"data": gen_b}, ONE, set()) == extra
+    assert opt_b.param_groups[0]["lr"] == 1e-2 and opt_b.param_groups[0]["betas"] == (0.8, 0.95)
     assert torch.equal(torch.rand(3), expected[0])
     assert torch.equal(torch.rand(3, generator=gen_b), expected[1])
     _train(model_a, opt_a, steps=2, seed=3)
@@ -234,30 +231,41 @@ def test_training_state_round_trip(tmp_path: Path) -> None:
 
 
 def test_training_state_errors(tmp_path: Path) -> None:
-    """Missing, inconsistent or mismatched checkpoints raise QkvError naming the problem."""
+    """Missing, damaged or mismatched checkpoints raise QkvError naming the problem."""
     run = tmp_path / "run"
-    _, opt = _model_and_opt()
-    with pytest.raises(QkvError) as info:
-        ckpt.load_training_state(run, opt, {})
-    assert str(info.value) == f"no checkpoint to resume in {run} (last_state.json missing)"
-
     model, opt = _model_and_opt()
+    with pytest.raises(QkvError) as info:
+        ckpt.load_checkpoint(run, model, opt, {}, ONE, set())
+    assert str(info.value) == f"no checkpoint to resume in {run} (checkpoint/latest.json missing)"
     _train(model, opt, steps=1, seed=1)
-    ckpt.save_training_state(run, model_state=model.state_dict(), optimizer=opt, extra={}, generators={})
-    # Simulate a crash after the weights were rewritten but before the JSON was.
-    files.atomic_save_safetensors(run / "last.safetensors", {"weight": torch.zeros(1, 4)})
-    with pytest.raises(QkvError, match=r"inconsistent \(last.safetensors does not match last_state.json"):
-        ckpt.load_training_state(run, opt, {})
-
-    ckpt.save_training_state(run, model_state=model.state_dict(), optimizer=opt, extra={}, generators={})
-    with pytest.raises(QkvError, match="no state for generator"):
-        ckpt.load_training_state(run, opt, {"data": torch.Generator()})
-    big = torch.optim.AdamW(nn.Linear(4, 1).parameters(), lr=1.0)
-    big.add_param_group({"params": [nn.Parameter(torch.ones(1))]})
-    with pytest.raises(QkvError, match="does not fit this optimizer"):
-        ckpt.load_training_state(run, big, {})
-    (run / "last_optim.safetensors").unlink()
-    with pytest.raises(QkvError, match=r"incomplete \(last_optim.safetensors missing\)"):
-        ckpt.load_training_state(run, opt, {})
+    ckpt.save_checkpoint(run, model, opt, {"step": 1}, {}, ONE, frozen=False).wait()
+    with pytest.raises(QkvError, match="has no state for generator"):
+        ckpt.load_checkpoint(run, model, opt, {"data": torch.Generator()}, ONE, set())
+    big = nn.Linear(4, 2)
+    unfit = r"checkpoint .*step-00000001 is damaged or does not fit this run's model or optimizer \(ValueError: Size"
+    with pytest.raises(QkvError, match=unfit):
+        ckpt.load_checkpoint(run, big, torch.optim.AdamW(big.parameters()), {}, ONE, set())
     with pytest.raises(QkvError, match="not JSON-serialisable"):
-        ckpt.save_training_state(run, model_state={}, optimizer=opt, extra={"x": object()}, generators={})
+        ckpt.save_checkpoint(run, model, opt, {"step": 2, "x": object()}, {}, ONE, frozen=False)
+    pointer = json.loads((run / "checkpoint" / "latest.json").read_text())
+    (run / "checkpoint" / "latest.json").write_text(json.dumps({**pointer, "directory": "step-00000009"}))
+    with pytest.raises(QkvError, match=r"step-00000009 named by .*latest.json is missing"):
+        ckpt.load_checkpoint(run, model, opt, {}, ONE, set())
+
+
+def test_streamed_safetensors_equal_safetensors_own_writer(tmp_path: Path) -> None:
+    """atomic_stream_safetensors (one tensor at a time) writes what safetensors reads back, to several paths."""
+    import safetensors.torch
+
+    tensors = {"a": torch.randn(3, 5), "b": torch.arange(7), "c": torch.randn(2, 2).bfloat16(),
+               "d": torch.zeros(0, 4), "e": torch.tensor(True), "f": torch.randn(4, 6)[:, ::2]}  # fmt: skip
+    specs = [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()]
+    paths = [tmp_path / "x.safetensors", tmp_path / "y.safetensors"]
+    files.atomic_stream_safetensors(paths, specs, iter(tensors.values()))
+    for path in paths:
+        back = safetensors.torch.load_file(path)
+        assert back.keys() == tensors.keys() and all(torch.equal(back[k], v) for k, v in tensors.items())
+    assert _no_temp_files(tmp_path)
+    with pytest.raises(QkvError, match=r"tensor b is torch.int64 \(7,\), its header says torch.int64 \(8,\)"):
+        files.atomic_stream_safetensors(paths, [specs[0], ("b", torch.int64, (8,))], iter(tensors.values()))
+    assert _no_temp_files(tmp_path) and safetensors.torch.load_file(paths[0]).keys() == tensors.keys()

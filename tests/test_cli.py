@@ -6,7 +6,6 @@ that the user sees one line on stderr and no traceback. Every model is tiny (1 l
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -30,11 +29,12 @@ from qkv.config import DecoderLMConfig
 from qkv.data import load_shakespeare
 from qkv.data.cache import open_text
 from qkv.errors import QkvError
-from qkv.io.files import atomic_save_safetensors
 from qkv.models import DecoderLM
 from qkv.tasks import load, train
 from qkv.tasks.lm import LMConfig
 from qkv.training import evaluate_loss
+from qkv.training.checkpoint import save_checkpoint
+from qkv.training.distributed import DistContext
 
 TINY = {"model": {"n_layers": 1, "d_model": 32, "n_heads": 2}, "block_size": 32, "batch_size": 4,
         "eval_interval": 5, "eval_tokens": 2000, "sample_tokens": 0, "device": "cpu"}  # fmt: skip
@@ -323,26 +323,27 @@ def test_load_and_generate_refuse_pickle_and_malformed_runs(
 def test_resume_refuses_a_corrupted_or_mismatched_checkpoint(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, char_run: Path
 ) -> None:
-    """Flipped bytes in last.safetensors, or weights of another model shape, stop --resume with a clear message."""
+    """Flipped bytes in a shard of the checkpoint, or a checkpoint of another model shape, stop --resume with a
+    clear message."""
     corrupted = _copy(char_run, tmp_path, "corrupted")
-    data = bytearray((corrupted / "last.safetensors").read_bytes())
-    data[-100] ^= 0xFF
-    (corrupted / "last.safetensors").write_bytes(bytes(data))
+    shard = corrupted / "checkpoint" / "step-00000010" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-1000] ^= 0xFF  # inside a tensor's bytes: only the checksum can tell
+    shard.write_bytes(bytes(data))
     _assert_error(run_main(capsys, "train", "--resume", "--out-dir", str(corrupted), "--max-steps", "12"), "train",
-                  f"checkpoint in {corrupted} is inconsistent (last.safetensors does not match last_state.json; "
-                  "a save was probably interrupted)")  # fmt: skip
+                  f"checkpoint {shard.parent} is damaged: a shard file does not match checksums.json (__0_0.distcp); "
+                  "resume from a copy of the run or start a new one")  # fmt: skip
 
     mismatched = _copy(char_run, tmp_path, "mismatched")
     config = load(char_run).model.cfg
     other = DecoderLM(DecoderLMConfig(**{**config.to_dict(), "d_model": 16}))
-    digest = atomic_save_safetensors(mismatched / "last.safetensors", other.state_dict())
-    assert digest == hashlib.sha256((mismatched / "last.safetensors").read_bytes()).hexdigest()
-    state = json.loads((mismatched / "last_state.json").read_text())
-    state["files"]["last.safetensors"]["sha256"] = digest  # consistent on disk, wrong for this model
-    (mismatched / "last_state.json").write_text(json.dumps(state))
+    one = DistContext(0, 1, "ddp", torch.device("cpu"))
+    optimizer = torch.optim.AdamW(other.parameters())
+    save_checkpoint(mismatched, other, optimizer, {"step": 10}, {"data": torch.Generator()}, one, frozen=False).wait()
+    where = mismatched / "checkpoint" / "step-00000010"
     _assert_error(run_main(capsys, "train", "--resume", "--out-dir", str(mismatched), "--max-steps", "12"), "train",
-                  re.compile(re.escape(f"{mismatched / 'last.safetensors'}: tensor ")
-                             + r"\S+ has shape \((\d+, )*\d+,?\), the model expects \((\d+, )*\d+,?\)"))  # fmt: skip
+                  re.compile(re.escape(f"checkpoint {where} is damaged or does not fit this run's model or optimizer "
+                                       "(ValueError: Size mismatch between saved ") + r".*"))  # fmt: skip
     metrics = [json.loads(line)["step"] for line in (mismatched / "metrics.jsonl").read_text().splitlines()]
     assert metrics == [5, 10]  # nothing was trained or logged
 

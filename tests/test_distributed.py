@@ -10,11 +10,8 @@ processes with batch 4 (the `--nproc 2` shortcut).
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,39 +22,20 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import one_thread, shard_dir
+from multiprocess import ARGS, QKV_TRAIN, STEPS, TORCHRUN, Finished, excerpt
+from multiprocess import max_diff as _max_diff
+from multiprocess import rows as _rows
+from multiprocess import run_command as _run
+from multiprocess import weights_diff as _weights_diff
 
-import qkv
 from qkv.config import DecoderLMConfig
-from qkv.data import load_shakespeare
 from qkv.data.cache import open_text
 from qkv.errors import QkvError
-from qkv.io.files import load_safetensors
 from qkv.models import DecoderLM
 from qkv.tasks import load, train
 from qkv.tasks.lm import LMConfig
 from qkv.training import evaluate_loss, evaluate_sums
 from qkv.training.distributed import DistContext, gradient_sync, wrap_model
-
-SRC = str(Path(qkv.__file__).resolve().parents[1])  # the qkv under test, also in the launched processes
-STEPS = 20
-ARGS = ["--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--dropout", "0", "--block-size", "32",
-        "--eval-interval", "5", "--eval-tokens", "300", "--sample-tokens", "0", "--device", "cpu",
-        "--max-steps", str(STEPS)]  # fmt: skip
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "qkv", "train"]
-QKV_TRAIN = [sys.executable, "-m", "qkv", "train"]
-Finished = subprocess.CompletedProcess[str]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    """The environment of every subprocess: this qkv, one thread per process (two cores, shared)."""
-    path = os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-            "PYTHONUNBUFFERED": "1", **extra}  # fmt: skip
-
-
-def _run(command: list[str], cwd: Path, **env: str) -> Finished:
-    """Run a command to completion, with a generous timeout that turns a hang into a failure."""
-    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=_env(**env), timeout=240)
 
 
 def _config(corpus: Path, out: Path, batch_size: int, **overrides: Any) -> LMConfig:
@@ -69,31 +47,10 @@ def _config(corpus: Path, out: Path, batch_size: int, **overrides: Any) -> LMCon
     return LMConfig(**{**settings, **overrides})
 
 
-def _rows(run_dir: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl as dicts."""
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def _max_diff(a: Path, b: Path, keys: tuple[str, ...] = ("train_loss", "val_loss")) -> float:
-    """The largest difference of the logged losses of two runs, which must log the same steps."""
-    rows_a, rows_b = _rows(a), _rows(b)
-    assert [(r["step"], r["tokens_seen"]) for r in rows_a] == [(r["step"], r["tokens_seen"]) for r in rows_b]
-    return max(abs(ra[k] - rb[k]) for ra, rb in zip(rows_a, rows_b, strict=True) for k in keys)
-
-
-def _weights_diff(a: Path, b: Path) -> float:
-    """The largest difference between the latest weights of two runs."""
-    wa, wb = load_safetensors(a / "last.safetensors"), load_safetensors(b / "last.safetensors")
-    assert wa.keys() == wb.keys()
-    return max(float((wa[k] - wb[k]).abs().max()) for k in wa)
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 20,000-character text: 18,000 train / 2,000 val characters."""
-    path = tmp_path_factory.mktemp("data") / "excerpt.txt"
-    path.write_text(load_shakespeare()[:20_000], encoding="utf-8")
-    return path
+    return excerpt(tmp_path_factory.mktemp("data"))
 
 
 @pytest.fixture(scope="module")

@@ -94,3 +94,22 @@ def test_an_old_translation_run_loads_translates_evaluates_and_resumes(
     assert [r["step"] for r in rows] == [2, 4] and all("val_bleu" in r for r in rows)
     state = load_safetensors(run / "last.safetensors")
     assert all(torch.isfinite(t).all() for t in state.values())
+
+
+def test_a_run_with_the_unsharded_checkpoint_resumes_exactly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """lm-v1 (written by commit 09cba36, stopped at step 12 with its checkpoint at step 10 in last_state.json,
+    last.safetensors and last_optim.safetensors) resumes to the uninterrupted run's weights, bit for bit; its
+    next checkpoint is sharded and the old resume files go."""
+    run = _copy("lm-v1", tmp_path)
+    args = ["--n-layers", "1", "--d-model", "16", "--n-heads", "2", "--block-size", "16", "--batch-size", "4",
+            "--eval-interval", "5", "--eval-tokens", "256", "--sample-tokens", "0", "--max-steps", "20",
+            "--device", "cpu"]  # fmt: skip
+    with one_thread():
+        assert run_main(capsys, "train", "--resume", "--out-dir", str(run))[0] == 0
+        assert run_main(capsys, "train", *args, "--out-dir", str(tmp_path / "whole"))[0] == 0
+    got, want = load_safetensors(run / "last.safetensors"), load_safetensors(tmp_path / "whole" / "last.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert not (run / "last_state.json").exists() and not (run / "last_optim.safetensors").exists()
+    assert json.loads((run / "checkpoint" / "latest.json").read_text())["step"] == 20

@@ -21,7 +21,16 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import TASK_NAMES, cli_args, one_thread, subprocess_env, tiny_data, tiny_settings
+from helpers import (
+    TASK_NAMES,
+    checkpoint_dir,
+    cli_args,
+    one_thread,
+    read_dcp,
+    subprocess_env,
+    tiny_data,
+    tiny_settings,
+)
 
 from qkv.cli import main
 from qkv.io.files import load_safetensors
@@ -39,22 +48,24 @@ mode, at, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 def die(*_):
     os.kill(os.getpid(), signal.SIGKILL)
 if mode == "step":  # between checkpoints: as step `at` begins
-    distributed.crash_for_test = lambda step, ctx: die() if step == at else None
-elif mode == "staged":  # mid-write: the at-th checkpoint's weights are staged, its optimizer state is not
-    save, calls = checkpoint.atomic_save_safetensors, []
-    def staged(path, tensors, metadata=None):
-        calls.append(path)
-        return die() if len(calls) == 2 * at else save(path, tensors, metadata)
-    checkpoint.atomic_save_safetensors = staged
-elif mode == "moving":  # the at-th checkpoint is committed, its files half moved into place
-    replace, moves = os.replace, []
-    def moving(src, dst):
-        if str(src).endswith(".last_optim.safetensors.next"):
-            moves.append(src)
-            if len(moves) == at:
+    distributed.crash_for_test = lambda point, ctx: die() if point == at else None
+elif mode == "shards":  # mid-write: the at-th checkpoint's rank-0 state is written, its shards are not
+    save, calls = checkpoint._save_side_state, []
+    def side_then_die(*args):
+        calls.append(1)
+        save(*args)
+        if len(calls) == at:
+            die()
+    checkpoint._save_side_state = side_then_die
+elif mode == "commit":  # the at-th checkpoint is written whole, but latest.json does not name it yet
+    write, pointers = checkpoint.atomic_write_json, []
+    def pointer(path, obj, **kw):
+        if path.name == "latest.json":
+            pointers.append(path)
+            if len(pointers) == at:
                 die()
-        replace(src, dst)
-    os.replace = moving
+        write(path, obj, **kw)
+    checkpoint.atomic_write_json = pointer
 sys.exit(main(argv))
 """
 
@@ -89,11 +100,14 @@ def _training_state(run_dir: Path) -> tuple[dict[str, torch.Tensor], Any]:
     Python's and numpy's global RNG states are saved and restored too, but no step uses them, so their
     values at a checkpoint depend on the rest of the process (here: pytest's), not on the training.
     """
-    tensors = {f"weights.{k}": v for k, v in _weights(run_dir).items()}
-    saved = load_safetensors(run_dir / "last_optim.safetensors")
+    tensors = {f"export.{k}": v for k, v in _weights(run_dir).items()}
+    directory = checkpoint_dir(run_dir)
+    tensors |= {f"dcp.{k}": v for k, v in read_dcp(directory).items()}  # weights and optimizer state
+    saved = load_safetensors(directory / "rng.safetensors")
     tensors |= {k: v for k, v in saved.items() if not k.startswith(("rng.python", "rng.numpy"))}
-    meta = json.loads((run_dir / "last_state.json").read_text())
-    return tensors, {"optimizer": meta["optimizer"], "generators": meta["generators"], "step": meta["extra"]["step"]}
+    side = json.loads((directory / "state.json").read_text())
+    extra = side["extra"]
+    return tensors, {"groups": side["param_groups"], "step": extra["step"], "tokens_seen": extra["tokens_seen"]}
 
 
 @pytest.mark.parametrize("task", TASK_NAMES)
@@ -123,22 +137,23 @@ def uninterrupted(data: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
     return Runs(runs)
 
 
-KILLS = [(task, mode) for task in TASK_NAMES for mode in ("step", "staged")] + [("lm", "moving")]
+KILLS = [(task, mode) for task in TASK_NAMES for mode in ("step", "commit")] + [("lm", "shards")]
 
 
 @pytest.mark.parametrize(("task", "mode"), KILLS, ids=[f"{t}-{m}" for t, m in KILLS])
 def test_sigkill_then_resume_is_bit_identical(
     task: str, mode: str, data: dict[str, Path], uninterrupted: dict[str, Path], tmp_path: Path
 ) -> None:
-    """Killed as step 5 begins, or inside the second checkpoint's save: --resume ends as the uninterrupted run."""
+    """Killed as step 5 begins, or inside the second checkpoint's save (before its shards, or written but not yet
+    committed): --resume ends as the uninterrupted run, from step 4 or from step 2."""
     out = tmp_path / "run"
     at = 5 if mode == "step" else 2  # step 5, or the second checkpoint (step 4)
     argv = ["train", task, *cli_args(tiny_settings(task, data)), "--out-dir", str(out)]
     killed = subprocess.run([sys.executable, "-c", KILLER, mode, str(at), *argv], capture_output=True, text=True,
                             env=subprocess_env(), timeout=300)  # fmt: skip
     assert killed.returncode == -9, killed.stderr  # SIGKILL: no clean-up ran
-    committed = json.loads((out / "last_state.json").read_text())["extra"]["step"]
-    assert committed == (4 if mode in ("step", "moving") else 2)
+    committed = json.loads((out / "checkpoint" / "latest.json").read_text())["step"]
+    assert committed == (4 if mode == "step" else 2)
     with one_thread():
         assert main(["train", task, "--resume", "--out-dir", str(out)]) == 0
     resumed, reference = _training_state(out), _training_state(uninterrupted[task])
@@ -146,7 +161,8 @@ def test_sigkill_then_resume_is_bit_identical(
     assert resumed[0].keys() == reference[0].keys()
     for name, tensor in reference[0].items():
         assert torch.equal(resumed[0][name], tensor), name
-    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no staged or temp file left
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temp file left
+    assert sorted(p.name for p in (out / "checkpoint").iterdir()) == ["latest.json", "step-00000006"]  # one left
 
 
 @pytest.mark.parametrize("task", TASK_NAMES)

@@ -24,7 +24,7 @@ import pytest
 import safetensors.torch
 import torch
 import torch.nn.functional as F
-from helpers import one_thread, shard_dir
+from helpers import checkpoint_dir, one_thread, read_dcp, shard_dir
 from safetensors import safe_open
 
 from qkv.attention import new_cache
@@ -40,6 +40,7 @@ from qkv.tasks import load, train
 from qkv.tasks.lm import LMConfig
 from qkv.training import checkpoint as ckpt
 from qkv.training import evaluate_loss
+from qkv.training.distributed import DistContext
 from qkv.training.evaluate import eval_batches
 from qkv.training.optim import make_optimizer
 
@@ -82,7 +83,7 @@ def _rows(run_dir: Path) -> list[dict[str, Any]]:
 def _state_step(run_dir: Path) -> int | None:
     """The step of the checkpoint in run_dir, or None while there is none."""
     try:
-        return int(json.loads((run_dir / "last_state.json").read_text())["extra"]["step"])
+        return int(json.loads((run_dir / "checkpoint" / "latest.json").read_text())["step"])
     except (OSError, ValueError, KeyError):
         return None
 
@@ -177,9 +178,12 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_run(
     expected = _rows(reference(max_steps, corpus))
     assert [r["step"] for r in expected] == list(range(5, max_steps + 1, 5))
     assert _rows(killed) == expected  # exact float equality, row by row
-    for name in ("last.safetensors", "last_optim.safetensors"):  # weights; optimizer, RNG and data generator states
-        got, want = files.load_safetensors(killed / name), files.load_safetensors(reference(max_steps, corpus) / name)
-        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got), name
+    want_run = reference(max_steps, corpus)
+    got, want = (files.load_safetensors(run / "last.safetensors") for run in (killed, want_run))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)  # the exported weights
+    for read in (read_dcp, lambda d: files.load_safetensors(d / "rng.safetensors")):  # weights and optimizer; RNGs
+        got, want = read(checkpoint_dir(killed)), read(checkpoint_dir(want_run))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
     # Training time continues across the resume (it does not restart at 0) and never includes evaluations.
     raw = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
     assert all(b["train_s"] > a["train_s"] for a, b in itertools.pairwise(raw))
@@ -190,14 +194,14 @@ def test_resuming_a_finished_run_takes_no_steps(tmp_path: Path, corpus: Path, re
     """`resume` on a run that already reached max_steps does nothing and leaves its files untouched."""
     run = tmp_path / "done"
     shutil.copytree(reference(40), run)
-    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
     with one_thread():
         result = train(_tiny_config(corpus, run, 40, resume=True), verbose=False)
     assert result.step == 40
     assert not result.interrupted
     assert [{k: m[k] for k in COMPARED} for m in result.metrics] == _rows(run)
     assert len(result.metrics) == 8
-    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+    assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
 def test_python_api_resume_keeps_the_stored_schedule(tmp_path: Path, reference: _References) -> None:
@@ -245,13 +249,25 @@ def _step(model: DecoderLM, opt: torch.optim.Optimizer, gen: torch.Generator) ->
     opt.zero_grad()
 
 
-def _save(directory: Path, model: DecoderLM, opt: torch.optim.Optimizer, gen: torch.Generator, step: int) -> None:
-    ckpt.save_training_state(directory, model_state=model.state_dict(), optimizer=opt, extra={"step": step},
-                             generators={"data": gen})  # fmt: skip
+ONE = DistContext(0, 1, "ddp", torch.device("cpu"))  # one process
 
 
-def test_save_that_fails_midway_keeps_a_loadable_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """os.replace failing at any point of a save leaves one consistent checkpoint: the old one, or the new one."""
+def _save(run: Path, model: DecoderLM, opt: torch.optim.Optimizer, gen: torch.Generator, step: int) -> None:
+    ckpt.save_checkpoint(run, model, opt, {"step": step}, {"data": gen}, ONE, frozen=False).wait()
+
+
+def _load(run: Path) -> tuple[dict[str, torch.Tensor], int]:
+    """The weights and step of the committed checkpoint, loaded into a fresh model."""
+    model = _tiny_lm()
+    extra = ckpt.load_checkpoint(run, model, make_optimizer(model, LMConfig()), {"data": torch.Generator()}, ONE, set())
+    return model.state_dict(), extra["step"]
+
+
+def test_a_save_that_dies_before_its_commit_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save that fails anywhere before latest.json names it leaves the previous checkpoint the one that loads;
+    the next save of that step replaces its leftover, and a committed save removes the older step directories."""
     torch.manual_seed(0)
     model = _tiny_lm()
     opt = make_optimizer(model, LMConfig())
@@ -259,56 +275,55 @@ def test_save_that_fails_midway_keeps_a_loadable_checkpoint(tmp_path: Path, monk
     run = tmp_path / "run"
     _step(model, opt, gen)
     _save(run, model, opt, gen, step=1)
-    old_files = {p.name: p.read_bytes() for p in run.iterdir()}
-    assert sorted(old_files) == ["last.safetensors", "last_optim.safetensors", "last_state.json"]
     old_weights = {k: v.clone() for k, v in model.state_dict().items()}
     _step(model, opt, gen)
-    new_weights = {k: v.clone() for k, v in model.state_dict().items()}
+    real_write = ckpt.atomic_write_json
+    for where in ("state", "pointer"):  # before its shards are written, and after (the commit itself fails)
 
-    real_replace = os.replace
-    outcomes = []
-    for fail_at in range(1, 20):
-        calls = 0
+        def failing(path: Path, obj: Any, where: str = where, **kw: Any) -> None:
+            if (path.name == "latest.json") == (where == "pointer"):
+                raise OSError("simulated crash")
+            real_write(path, obj, **kw)
 
-        def flaky_replace(src: Any, dst: Any, fail_at: int = fail_at) -> None:
-            nonlocal calls
-            calls += 1
-            if calls == fail_at:
-                raise OSError("simulated crash in os.replace")
-            real_replace(src, dst)
-
-        monkeypatch.setattr(os, "replace", flaky_replace)
-        try:
+        monkeypatch.setattr(ckpt, "atomic_write_json", failing)
+        with pytest.raises(OSError, match="simulated crash"):
             _save(run, model, opt, gen, step=2)
-        except OSError as e:
-            assert str(e) == "simulated crash in os.replace"
-        else:
-            monkeypatch.undo()
-            break
         monkeypatch.undo()
-        state, extra = ckpt.load_training_state(run, make_optimizer(_tiny_lm(), LMConfig()),
-                                                {"data": torch.Generator()})  # fmt: skip
-        outcomes.append(extra["step"])
-        expected = old_weights if extra["step"] == 1 else new_weights
-        assert all(torch.equal(state[k], expected[k]) for k in expected), fail_at
-        if extra["step"] == 1:  # not committed: the previous checkpoint is byte-for-byte intact
-            assert {p.name: p.read_bytes() for p in run.iterdir()} == old_files, fail_at
-        else:  # committed: loading finished moving the new files into place
-            assert sorted(p.name for p in run.iterdir()) == sorted(old_files), fail_at
-            assert torch.equal(files.load_safetensors(run / "last.safetensors")["lm_head.weight"],
-                               new_weights["lm_head.weight"])  # fmt: skip
-        assert not [p.name for p in run.iterdir() if p.name.startswith(".") or p.name.endswith(".tmp")]
-        _save(run, _restore(model, old_weights), opt, gen, step=1)  # back to the old checkpoint for the next case
-        old_files = {p.name: p.read_bytes() for p in run.iterdir()}
-        model.load_state_dict(new_weights)
-    # The first failures land before the commit (old checkpoint kept), the later ones after it.
-    assert outcomes[:2] == [1, 1]
-    assert outcomes[-1] == 2
+        weights, step = _load(run)
+        assert step == 1 and all(torch.equal(weights[k], old_weights[k]) for k in old_weights), where
+        assert (run / "checkpoint" / "step-00000002").is_dir()  # the leftover, named by nothing
+    _save(run, model, opt, gen, step=2)
+    weights, step = _load(run)
+    assert step == 2 and all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["latest.json", "step-00000002"]
 
 
-def _restore(model: DecoderLM, weights: dict[str, torch.Tensor]) -> DecoderLM:
-    model.load_state_dict(weights)
-    return model
+def test_checkpoint_metadata_cannot_run_code(tmp_path: Path) -> None:
+    """DCP's .metadata is a pickle: qkv reads it with an allow-list, so one that names any other callable is refused
+    before it is called, and a checkpoint holds no pickled Python objects besides it (hyperparameters are JSON)."""
+    torch.manual_seed(0)
+    model = _tiny_lm()
+    opt = make_optimizer(model, LMConfig())
+    gen = torch.Generator()
+    _step(model, opt, gen)
+    run = tmp_path / "run"
+    _save(run, model, opt, gen, step=1)
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    metadata = FileSystemReader(checkpoint_dir(run)).read_metadata()
+    assert not [k for k, m in metadata.state_dict_metadata.items() if isinstance(m, BytesStorageMetadata)]
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (os.system, (f"touch {marker}",))
+
+    metadata.storage_meta = Evil()  # type: ignore[assignment]
+    (checkpoint_dir(run) / ".metadata").write_bytes(__import__("pickle").dumps(metadata))
+    with pytest.raises(QkvError, match=r"checkpoint metadata names (posix|os)\.system, .*refused"):
+        _load(run)
+    assert not marker.exists()
 
 
 # --- 6. the evaluation protocol -----------------------------------------------------------------------
@@ -359,8 +374,8 @@ def test_run_directory_contents(reference: _References) -> None:
     """config.json, weights, tokenizer, metrics with every key, a real PNG, and no pickle anywhere."""
     run = reference(40)
     names = {p.name for p in run.iterdir()}
-    assert {"config.json", "model.safetensors", "last.safetensors", "last_optim.safetensors", "last_state.json",
-            "tokenizer.json", "metrics.jsonl", "loss.png"} <= names  # fmt: skip
+    assert {"config.json", "model.safetensors", "last.safetensors", "checkpoint", "tokenizer.json", "metrics.jsonl",
+            "loss.png"} <= names  # fmt: skip
     assert not [n for n in names if n.startswith(".")]  # no temp or staged files left behind
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [5, 10, 15, 20, 25, 30, 35, 40]
@@ -383,6 +398,8 @@ def test_run_directory_contents(reference: _References) -> None:
     # No pickle: every file parses as what its name says (a safetensors header is a little-endian
     # length, so its first bytes may look like pickle magic; parsing is the real test).
     for path in run.iterdir():
+        if path.name == "checkpoint":  # DCP's own files: see test_checkpoint_metadata_cannot_run_code
+            continue
         if path.suffix == ".safetensors":
             with safe_open(str(path), framework="pt") as f:
                 assert list(f.keys()), path.name
@@ -392,7 +409,7 @@ def test_run_directory_contents(reference: _References) -> None:
         else:
             assert path.suffix == ".png", path.name
         assert path.suffix not in files.PICKLE_SUFFIXES, path.name
-    for name in ("model.safetensors", "last.safetensors", "last_optim.safetensors"):
+    for name in ("model.safetensors", "last.safetensors"):
         assert safetensors.torch.load_file(run / name)  # parses as safetensors, not merely named so
 
 

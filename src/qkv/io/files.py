@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -85,6 +87,63 @@ def atomic_save_safetensors(path: Path, tensors: dict[str, Tensor], metadata: di
     data = safetensors.torch.save(prepared, metadata=metadata)
     atomic_write_bytes(Path(path), data)
     return hashlib.sha256(data).hexdigest()
+
+
+SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64",
+                      "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}  # fmt: skip
+
+
+def atomic_stream_safetensors(
+    paths: list[Path], specs: list[tuple[str, Any, tuple[int, ...]]], tensors: Iterable[Tensor]
+) -> None:
+    """Write the same safetensors file to each of ``paths`` atomically, one tensor at a time.
+
+    specs: (name, torch dtype, shape) of each tensor in order; tensors: their values in that order. Only one
+    tensor is held at once (a sharded model gathers each in turn), where safetensors.torch.save builds the
+    whole file in memory first.
+    """
+    import torch
+
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, dtype, shape in specs:
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[str(dtype).removeprefix("torch.")], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}  # fmt: skip
+        offset += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    temps = [_temp_beside(Path(p)) for p in paths]
+    outs = [open(t, "wb") for t in temps]  # noqa: SIM115 (closed below, on every path)
+    try:
+        for f in outs:
+            f.write(struct.pack("<Q", len(head)) + head)
+        for (name, dtype, shape), t in zip(specs, tensors, strict=True):
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise QkvError(f"tensor {name} is {t.dtype} {tuple(t.shape)}, its header says {dtype} {shape}")
+            data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
+            for f in outs:
+                f.write(data)
+        for f in outs:
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        for t_path, path in zip(temps, paths, strict=True):
+            os.chmod(t_path, 0o644)
+            os.replace(t_path, path)
+            fsync_directory(Path(path).parent)
+    except BaseException:
+        for f, t_path in zip(outs, temps, strict=True):
+            f.close()
+            t_path.unlink(missing_ok=True)
+        raise
+
+
+def _temp_beside(path: Path) -> Path:
+    """A new hidden temporary file in ``path``'s directory (os.replace is atomic within one filesystem only)."""
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    return Path(name)
 
 
 def _read_head(path: Path, n: int, what: str) -> bytes:

@@ -4,13 +4,14 @@
                              checkpoint a fine-tuning run started from: its path and sha256 (JSON)
     model.safetensors        the best weights (by the task's own measure: val loss, BLEU, …); a LoRA run's
                              adapters only (what trains), its frozen base being the checkpoint config.json names
-    last.safetensors         the latest weights  ┐
-    last_optim.safetensors   optimiser + RNG     ├ everything `--resume` needs (qkv.training.checkpoint)
-    last_state.json          step, counters, hashes of the two files above ┘
+    last.safetensors         the latest weights
+    checkpoint/              everything `--resume` needs: a sharded DCP checkpoint per step and latest.json, which
+                             names the committed one (qkv.training.checkpoint); runs of earlier versions kept
+                             last_optim.safetensors and last_state.json instead (qkv.training.legacy_checkpoint)
     tokenizer.json           the tokenizer (tasks with a fixed vocabulary have none)
     metrics.jsonl            one JSON object per evaluation
     loss.png                 train and validation curves
-No pickle anywhere: loading a run never executes code from it.
+Loading a run never executes code from it: safetensors and JSON, and DCP's files read with allow-lists.
 """
 
 from __future__ import annotations

@@ -73,12 +73,16 @@ class RunConfig:
     dtype: str = option("auto", "autocast dtype, weights stay float32 (auto: bfloat16 with TF32 matmuls on CUDA, "
                         "float32 elsewhere; float32: full precision everywhere)",
                         choices=("auto", *DTYPES))  # fmt: skip
-    compile: bool = option(False, "torch.compile the model (whole graphs only: a graph break is an error)")
+    compile: bool = option(False, "torch.compile each Transformer layer (whole graphs only: a graph break is an "
+                           "error); works with ddp and fsdp")  # fmt: skip
     activation_checkpointing: bool = option(False, "recompute each layer's activations in the backward pass instead "
                                             "of keeping them: less memory, one more forward per layer")  # fmt: skip
     cpu_threads: int | None = option(None, "intra-op CPU threads (none: one per core)")
     strategy: str = option("ddp", "with several processes: ddp, or fsdp (sharded parameters)", choices=STRATEGIES)
-    dist_timeout: float = option(60.0, "seconds a collective waits for a dead or hung process")
+    dist_timeout: float = option(1800.0, "seconds a collective waits for a slow, dead or hung process (a rank "
+                                 "waits at a checkpoint while the others write theirs)")  # fmt: skip
+    async_checkpoint: bool = option(False, "write checkpoints in a background thread while training goes on (the "
+                                    "state is first copied to memory; committed when written)")  # fmt: skip
     seed: int = option(1337, "random seed (weights, batches, dropout)", fixed=True)
     out_dir: str | None = option(None, "run directory (none: runs/<task name>-<date>-<time>)")
     resume: bool = option(False, "continue the run in --out-dir")
@@ -119,8 +123,6 @@ class RunConfig:
         """The rules that tie settings to each other (run on the whole, merged config of a resumed run too)."""
         if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
             raise QkvError(f"min-lr must be in [0, lr={self.lr}], got {self.min_lr}")
-        if self.compile and self.strategy == "fsdp":  # dynamo would have to trace FSDP's gather hooks
-            raise QkvError("--compile works with one process or --strategy ddp, not with --strategy fsdp")
 
     def _check_model(self) -> None:
         """Lay the given model fields over the task's recipe, refusing names its model config does not have."""

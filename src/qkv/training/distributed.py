@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -30,9 +31,12 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from qkv.errors import QkvError
+from qkv.io.files import atomic_stream_safetensors
 from qkv.training.config import STRATEGIES
+from qkv.training.recompute import layers_of
 
-# Test-only fault injection: "RANK:STEP" makes that rank die with os._exit(1) when it reaches STEP.
+# Test-only fault injection: "RANK:STEP" makes that rank die with os._exit(1) when it reaches STEP
+# ("RANK:save:STEP": while saving STEP's checkpoint, before the commit).
 CRASH_ENV = "QKV_TEST_CRASH_AT"
 
 
@@ -59,6 +63,7 @@ class DistContext:
     world_size: int
     strategy: str
     device: torch.device
+    checkpoint_group: Any = None  # a gloo group of its own: a background checkpoint's collectives use no other
 
     @property
     def enabled(self) -> bool:
@@ -101,7 +106,8 @@ def process_group(device: torch.device, strategy: str, timeout_s: float) -> Iter
         raise QkvError(f"distributed training runs on cpu (gloo) or cuda (nccl), not {device.type}")
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    ctx = DistContext(dist.get_rank(), dist.get_world_size(), strategy, device)
+    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    ctx = DistContext(dist.get_rank(), dist.get_world_size(), strategy, device, side)
     try:
         yield ctx
         # Leave together: a rank that tears gloo down while a peer is still writing the last
@@ -126,8 +132,12 @@ def _is_communication_error(e: RuntimeError) -> bool:
     return isinstance(e, dist.DistError) or "gloo" in text or "nccl" in text
 
 
-def wrap_model(model: nn.Module, ctx: DistContext) -> nn.Module:
-    """The module to train: DDP around `model`, or `model` itself sharded in place by FSDP2's fully_shard."""
+def wrap_model(model: nn.Module, ctx: DistContext, dtype: str = "float32") -> nn.Module:
+    """The module to train: DDP around `model`, or `model` itself sharded in place by FSDP2's fully_shard.
+
+    dtype: the run's autocast dtype; in bf16 or fp16, FSDP gathers the parameters in it (half the traffic) and
+    reduces the gradients in float32, while the sharded parameters and the optimizer stay float32.
+    """
     if not ctx.enabled:
         return model
     # BatchNorm's running statistics would drift apart per rank, whichever the strategy: refused.
@@ -138,14 +148,15 @@ def wrap_model(model: nn.Module, ctx: DistContext) -> nn.Module:
         # Buffers are fixed tables (rotary, sinusoidal) or fixed routing biases, identical everywhere:
         # syncing them before every forward would be wasted traffic.
         return DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
+    half = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
+    policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32 if half else None)
     # One FSDP unit per encoder and decoder layer (its parameters are gathered just before it runs, freed
     # after), then the root for the rest: the embeddings and the tied output head share one unit.
-    for stack in ("encoder", "decoder"):
-        for layer in getattr(getattr(model, stack, None), "layers", []):
-            fully_shard(layer)
-    fully_shard(model)
+    for layer in layers_of(model):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     for method in ("encode", "decode"):  # an encoder–decoder is also called through these, not only forward
         if hasattr(model, method):
             register_fsdp_forward_method(model, method)
@@ -211,76 +222,26 @@ def any_rank(flag: bool, ctx: DistContext) -> bool:
     return bool(t)
 
 
-def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """The parameter name behind each optimizer index (0, 1, … over the param groups in order)."""
-    names = {id(p): name for name, p in model.named_parameters()}
-    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+def export_weights(model: nn.Module, paths: list[Path], ctx: DistContext, skip: set[str]) -> None:
+    """Write the model's weights whole to each of `paths` (safetensors, rank 0), gathering one tensor at a time.
 
-
-def full_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext
-) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """Consolidated (unsharded, CPU) model and optimizer state dicts, as one process would have them.
-
-    Every rank must call this (FSDP gathers); the dicts are complete on rank 0 and empty elsewhere
-    under FSDP. The optimizer state is keyed by index like `optimizer.state_dict()`, so a checkpoint
-    written by any strategy and world size loads into a plain single-process AdamW.
+    Every rank must call this: under FSDP each sharded tensor is all-gathered in turn, so no process ever
+    holds more than one whole tensor beyond its own shards. skip: names left out (a LoRA run's frozen base).
     """
-    if not ctx.sharded:
-        raw = model.module if isinstance(model, DistributedDataParallel) else model
-        return raw.state_dict(), optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
+    from torch.distributed.tensor import DTensor
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_state = cast(dict[str, Tensor], get_model_state_dict(model, options=options))
-    by_name = cast(dict[str, Any], get_optimizer_state_dict(model, optimizer, options=options))
-    if not ctx.is_main:
-        return {}, {}
-    index = {name: i for i, name in enumerate(_param_names(model, optimizer))}
-    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in by_name["param_groups"]]
-    return model_state, {"state": {index[n]: s for n, s in by_name["state"].items()}, "param_groups": groups}
+    state = {k: v for k, v in model.state_dict().items() if k not in skip}  # DTensor shards under FSDP
 
+    def whole() -> Iterator[Tensor]:
+        for value in state.values():
+            yield value.full_tensor() if isinstance(value, DTensor) else value  # a collective per tensor
 
-class ConsolidatedOptimizer:
-    """An optimizer seen through consolidated state dicts (what checkpoint.load_training_state loads into)."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> None:
-        self.model, self.optimizer, self.ctx = model, optimizer, ctx
-
-    def state_dict(self) -> dict[str, Any]:
-        """The consolidated state (a collective under FSDP)."""
-        return full_state(self.model, self.optimizer, self.ctx)[1]
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a consolidated, index-keyed state; under FSDP every rank keeps its own shard of it."""
-        if not self.ctx.sharded:
-            self.optimizer.load_state_dict(state_dict)
-            return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        names = _param_names(self.model, self.optimizer)
-        if len(state_dict["param_groups"]) != len(self.optimizer.param_groups):
-            raise ValueError("the checkpoint's optimizer has a different number of parameter groups")
-        by_name = {
-            "state": {names[int(i)]: s for i, s in state_dict["state"].items()},
-            "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in state_dict["param_groups"]],
-        }
-        options = StateDictOptions(full_state_dict=True)
-        set_optimizer_state_dict(self.model, self.optimizer, cast(Any, by_name), options=options)
-
-
-def load_full_model_state(model: nn.Module, state: dict[str, Tensor], ctx: DistContext) -> None:
-    """Load consolidated weights (already checked by qkv.io.run_dir.check_weights) into the training model."""
-    if ctx.sharded:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        set_model_state_dict(model, cast(Any, state), options=StateDictOptions(full_state_dict=True))
+    specs = [(k, v.dtype, tuple(v.shape)) for k, v in state.items()]
+    if ctx.is_main:
+        atomic_stream_safetensors(paths, specs, whole())
     else:
-        (model.module if isinstance(model, DistributedDataParallel) else model).load_state_dict(state)
+        for _ in whole():
+            pass
 
 
 def seed_dropout(seed: int, step: int, ctx: DistContext) -> None:
@@ -293,10 +254,11 @@ def seed_dropout(seed: int, step: int, ctx: DistContext) -> None:
         torch.manual_seed(seed + 1_000_003 * ctx.rank + 7919 * step)
 
 
-def crash_for_test(step: int, ctx: DistContext) -> None:
-    """Test-only: die abruptly at the step named by QKV_TEST_CRASH_AT=RANK:STEP (to test failure handling)."""
+def crash_for_test(point: int | str, ctx: DistContext) -> None:
+    """Test-only: die abruptly where QKV_TEST_CRASH_AT=RANK:POINT says: at a step (RANK:13), or during the save of
+    a step, after its shards are written and before it is committed (RANK:save:10)."""
     target = os.environ.get(CRASH_ENV)
-    if target and target == f"{ctx.rank}:{step}":
+    if target and target == f"{ctx.rank}:{point}":
         print(f"rank {ctx.rank}: {CRASH_ENV} reached, exiting", file=sys.stderr, flush=True)
         os._exit(1)
 

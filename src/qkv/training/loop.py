@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,13 +37,10 @@ from qkv.io.devices import (
     resolve_device,
     resolve_dtype,
 )
-from qkv.io.files import atomic_save_safetensors
 from qkv.io.run_dir import (
     BEST_FILE,
     LAST_FILE,
     PLOT_FILE,
-    STATE_FILE,
-    check_weights,
     migrate_state,
     read_metrics,
     read_run_config,
@@ -52,7 +49,8 @@ from qkv.io.run_dir import (
 )
 from qkv.models import model_type_of
 from qkv.training import distributed
-from qkv.training.checkpoint import load_training_state, save_training_state
+from qkv.training.checkpoint import PendingSave, has_checkpoint, load_checkpoint, save_checkpoint
+from qkv.training.compiled import compile_layers
 from qkv.training.config import RunConfig
 from qkv.training.optim import apply_settings, group_settings, make_optimizer
 from qkv.training.plots import plot_losses
@@ -111,7 +109,7 @@ def fit(task: type[Task], cfg: RunConfig, verbose: bool = True, hooks: Hooks | N
         run_dir = Path(cfg.out_dir) if cfg.out_dir else Path(distributed.agree(str(default_run_dir(task, cfg)), ctx))
         if run_dir.exists() and not run_dir.is_dir():
             raise QkvError(f"--out-dir {run_dir} is a file; give a directory (a new one, or a run to --resume)")
-        if not cfg.resume and ((run_dir / STATE_FILE).exists() or (run_dir / BEST_FILE).exists()):
+        if not cfg.resume and (has_checkpoint(run_dir) or (run_dir / BEST_FILE).exists()):
             raise QkvError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --out-dir")
         cfg.dtype = resolve_dtype(cfg.dtype, ctx.device)  # stored resolved: the run says what it trained in
         with cpu_threads(cfg.cpu_threads, ctx.device), matmul_precision(ctx.device, cfg.dtype):
@@ -162,11 +160,10 @@ class _Trainer:
             hooks.on_model(self.model)
         if cfg.activation_checkpointing:
             checkpoint_layers(self.model)
-        self.compiled = None
-        if cfg.compile:  # whole graphs only: a graph break raises instead of quietly running parts eagerly
-            self.compiled = cast(nn.Module, torch.compile(self.model, fullgraph=True, dynamic=task.dynamic_shapes))
-        self.step_model = self.compiled if self.compiled is not None else self.model  # what a step calls
-        self.train_model = distributed.wrap_model(self.step_model, ctx)  # DDP around it, or sharded in place
+        if cfg.compile:  # per layer, so that DDP's and FSDP's communication stays outside the graphs
+            compile_layers(self.model, task.dynamic_shapes)
+        self.train_model = distributed.wrap_model(self.model, ctx, cfg.dtype)  # DDP around it, or sharded in place
+        self.pending: PendingSave | None = None  # a checkpoint being written in the background
         self.optimizer = make_optimizer(self.model, cfg)  # after wrapping: FSDP replaces the parameters
         self.schedule = LRSchedule(cfg.lr, min(cfg.warmup_steps, cfg.max_steps), cfg.max_steps, cfg.final_lr,
                                    cfg.schedule)  # fmt: skip
@@ -201,12 +198,8 @@ class _Trainer:
     def _restore(self) -> None:
         """Load the last checkpoint: weights, optimiser, RNGs, the data generator and the counters."""
         settings = group_settings(self.optimizer)  # the stored param groups would bring back the old ones
-        consolidated = distributed.ConsolidatedOptimizer(self.model, self.optimizer, self.ctx)
-        state, extra = load_training_state(self.run_dir, consolidated, {"data": self.data_gen})
-        if self.frozen:
-            state = {**{k: v for k, v in self.model.state_dict().items() if k in self.frozen}, **state}
-        check_weights(self.model, state, self.run_dir / LAST_FILE)
-        distributed.load_full_model_state(self.model, state, self.ctx)
+        extra = load_checkpoint(self.run_dir, self.model, self.optimizer, {"data": self.data_gen}, self.ctx,
+                                self.frozen)  # fmt: skip
         apply_settings(self.optimizer, settings)  # settings given on resume replace the stored ones
         extra = migrate_state(extra)
         self.state = _Progress(extra["step"], extra["tokens_seen"], extra["elapsed_s"],
@@ -244,6 +237,8 @@ class _Trainer:
                     interrupted = True
                     break
                 losses.append(self._timed_step())
+                if self.pending is not None and self.pending.done():  # a background save finished: commit it
+                    self._finish_save()
                 out_of_time = self.cfg.max_time is not None and distributed.any_rank(
                     self.elapsed() >= self.cfg.max_time, self.ctx
                 )
@@ -258,6 +253,7 @@ class _Trainer:
                     break
             if interrupted:
                 self._stop_cleanly(losses)
+            self._finish_save()
             self.progress.close()
             return self._result(interrupted)
 
@@ -319,9 +315,8 @@ class _Trainer:
     def _evaluate(self, full: bool) -> dict[str, float]:
         """The task's evaluation with dropout off, then back to training mode."""
         self.model.eval()
-        forward = self.train_model if self.ctx.enabled else self.step_model
         with torch.no_grad():
-            results = self.task.evaluate(Evaluation(self.model, forward, self.ctx, self.cfg.dtype, full))
+            results = self.task.evaluate(Evaluation(self.model, self.train_model, self.ctx, self.cfg.dtype, full))
         self.model.train()
         return results
 
@@ -336,8 +331,6 @@ class _Trainer:
         full = full or not self.task.partial_evaluation
         results = self._evaluate(full)
         train_loss = distributed.mean_over_ranks(train_loss, self.ctx)
-        model_state, optimizer_state = distributed.full_state(self.model, self.optimizer, self.ctx)  # collective
-        model_state = {k: v for k, v in model_state.items() if k not in self.frozen}
         row = {"step": self.state.step, "tokens_seen": self.state.tokens_seen, "elapsed_s": round(self.elapsed(), 3),
                "train_s": round(train_s, 3), "train_loss": train_loss, **results, "full_eval": full,
                "lr": self.schedule.lr_at(max(0, self.state.step - 1))}  # fmt: skip
@@ -346,8 +339,8 @@ class _Trainer:
         improved = best is None or (score > best if self.task.higher_is_better else score < best)
         if improved:
             self.state.best = score
+        self._write_checkpoint(improved, train_s)  # every rank writes its part
         if self.ctx.is_main:  # the checkpoint, then its log line (a line seen is a step saved), then the plot
-            self._write_checkpoint(model_state, optimizer_state, improved, train_s)
             shown = "  ".join(f"{'val' if k == 'val_loss' else k.replace('_', ' ')} {v:.4f}"
                               for k, v in results.items())  # fmt: skip
             part = "" if full else " (part of the split)"
@@ -364,24 +357,35 @@ class _Trainer:
         self.last_plot = time.monotonic()
         return True
 
-    def _write_checkpoint(self, model_state: dict[str, Any], optimizer_state: dict[str, Any], improved: bool,
-                          train_s: float) -> None:  # fmt: skip
-        """metrics.jsonl, the best weights if they improved and the training state (rank 0)."""
-        write_metrics(self.run_dir, self.metrics)
-        if improved:
-            atomic_save_safetensors(self.run_dir / BEST_FILE, model_state)
+    def _write_checkpoint(self, improved: bool, train_s: float) -> None:
+        """metrics.jsonl, the weights' exports (last, and best if they improved) and the sharded training state."""
+        if self.ctx.is_main:
+            write_metrics(self.run_dir, self.metrics)
+        exports = [self.run_dir / LAST_FILE] + ([self.run_dir / BEST_FILE] if improved else [])
+        distributed.export_weights(self.model, exports, self.ctx, skip=self.frozen)
+        self._finish_save()  # one save at a time: the previous background save is committed first
         s = self.state
         extra = {"step": s.step, "tokens_seen": s.tokens_seen, "elapsed_s": self.elapsed(), "train_s": train_s,
                  "best": s.best, "global_batch_size": s.global_batch}  # fmt: skip
-        save_training_state(self.run_dir, model_state=model_state, optimizer=optimizer_state, extra=extra,
-                            generators={"data": self.data_gen})  # fmt: skip
+        self.pending = save_checkpoint(self.run_dir, self.model, self.optimizer, extra, {"data": self.data_gen},
+                                       self.ctx, frozen=bool(self.frozen),
+                                       asynchronous=self.cfg.async_checkpoint)  # fmt: skip
+        if not self.cfg.async_checkpoint:
+            self._finish_save()
+
+    def _finish_save(self) -> None:
+        """Wait for the checkpoint being written, if any, and commit it."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.wait()
 
     def _stop_cleanly(self, losses: list[float]) -> None:
         """After Ctrl-C: checkpoint the steps taken since the last one, and say how to continue."""
         self.progress.close()
         if losses:
             self._evaluate_and_checkpoint(sum(losses) / len(losses), full=True)
-        if (self.run_dir / STATE_FILE).is_file():
+        self._finish_save()
+        if has_checkpoint(self.run_dir):
             hint = f"continue with --resume --out-dir {self.run_dir}"
             self.progress.log(f"interrupted at step {self.state.step}: checkpoint saved; {hint}")
         else:

@@ -21,27 +21,27 @@ from qkv.errors import QkvError
 # ---------------------------------------------------------------------------------------------
 
 
-def _to_jsonable(obj: Any, where: str) -> Any:
+def to_jsonable(obj: Any, where: str) -> Any:
     """Convert nested Python values to JSON, tagging tuples so they come back as tuples."""
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, tuple):
-        return {"__tuple__": [_to_jsonable(v, where) for v in obj]}
+        return {"__tuple__": [to_jsonable(v, where) for v in obj]}
     if isinstance(obj, list):
-        return [_to_jsonable(v, where) for v in obj]
+        return [to_jsonable(v, where) for v in obj]
     if isinstance(obj, dict):
-        return {str(k): _to_jsonable(v, f"{where}.{k}") for k, v in obj.items()}
+        return {str(k): to_jsonable(v, f"{where}.{k}") for k, v in obj.items()}
     raise QkvError(f"cannot checkpoint {where}: {type(obj).__name__} is neither a tensor nor JSON-able")
 
 
-def _from_jsonable(obj: Any) -> Any:
-    """Invert :func:`_to_jsonable`."""
+def from_jsonable(obj: Any) -> Any:
+    """Invert :func:`to_jsonable`."""
     if isinstance(obj, list):
-        return [_from_jsonable(v) for v in obj]
+        return [from_jsonable(v) for v in obj]
     if isinstance(obj, dict):
         if set(obj) == {"__tuple__"}:
-            return tuple(_from_jsonable(v) for v in obj["__tuple__"])
-        return {k: _from_jsonable(v) for k, v in obj.items()}
+            return tuple(from_jsonable(v) for v in obj["__tuple__"])
+        return {k: from_jsonable(v) for k, v in obj.items()}
     return obj
 
 
@@ -56,7 +56,7 @@ def optimizer_state_to_safetensors(optimizer: Optimizer | dict[str, Any]) -> tup
             if isinstance(value, Tensor):
                 tensors[f"state.{param_id}.{name}"] = value
             else:
-                plain[name] = _to_jsonable(value, f"optimizer state {param_id}.{name}")
+                plain[name] = to_jsonable(value, f"optimizer state {param_id}.{name}")
     groups: list[dict[str, Any]] = []
     for i, group in enumerate(sd["param_groups"]):
         plain_group: dict[str, Any] = {}
@@ -64,7 +64,7 @@ def optimizer_state_to_safetensors(optimizer: Optimizer | dict[str, Any]) -> tup
             if isinstance(value, Tensor):  # e.g. lr given as a tensor for capturable/fused optimizers
                 tensors[f"param_groups.{i}.{key}"] = value
             else:
-                plain_group[key] = _to_jsonable(value, f"optimizer param_groups[{i}].{key}")
+                plain_group[key] = to_jsonable(value, f"optimizer param_groups[{i}].{key}")
         groups.append(plain_group)
     return tensors, {"state": state_meta, "param_groups": groups}
 
@@ -72,9 +72,9 @@ def optimizer_state_to_safetensors(optimizer: Optimizer | dict[str, Any]) -> tup
 def optimizer_state_from_safetensors(tensors: dict[str, Tensor], meta: dict[str, Any]) -> dict[str, Any]:
     """Rebuild a state dict that ``optimizer.load_state_dict`` accepts from the two halves."""
     state: dict[int, dict[str, Any]] = {
-        int(pid): _from_jsonable(entries) for pid, entries in meta.get("state", {}).items()
+        int(pid): from_jsonable(entries) for pid, entries in meta.get("state", {}).items()
     }
-    groups: list[dict[str, Any]] = [_from_jsonable(g) for g in meta.get("param_groups", [])]
+    groups: list[dict[str, Any]] = [from_jsonable(g) for g in meta.get("param_groups", [])]
     for key, value in tensors.items():
         kind, index, name = key.split(".", 2)
         if kind == "state":
