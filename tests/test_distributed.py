@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import one_thread, shard_dir
-from multiprocess import ARGS, QKV_TRAIN, STEPS, TORCHRUN, Finished, excerpt
-from multiprocess import max_diff as _max_diff
-from multiprocess import rows as _rows
-from multiprocess import run_command as _run
-from multiprocess import weights_diff as _weights_diff
+from launching import ARGS, QKV_TRAIN, STEPS, TORCHRUN, Finished, excerpt
+from launching import max_diff as _max_diff
+from launching import rows as _rows
+from launching import run_command as _run
+from launching import weights_diff as _weights_diff
 
 from qkv.config import DecoderLMConfig
 from qkv.data.cache import open_text

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import checkpoint_dir, one_thread, read_dcp
-from multiprocess import (
+from launching import (
     ARGS,
     QKV_TRAIN,
     STEPS,

@@ -63,9 +63,6 @@ def load_legacy(
 class StatefulOptimizer(Protocol):
     """What a checkpoint loads optimizer state into: a torch Optimizer, or an adapter that shards it."""
 
-    def state_dict(self) -> dict[str, Any]:
-        """The optimizer's state, keyed by parameter index."""
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what state_dict returned."""
 
@@ -145,10 +142,6 @@ class _ConsolidatedOptimizer:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> None:
         self.model, self.optimizer, self.ctx = model, optimizer, ctx
-
-    def state_dict(self) -> dict[str, Any]:
-        """Unused: the old files are only read."""
-        raise NotImplementedError
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a consolidated, index-keyed state; under FSDP every rank keeps its own shard of it."""

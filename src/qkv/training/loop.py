@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -160,9 +160,11 @@ class _Trainer:
             hooks.on_model(self.model)
         if cfg.activation_checkpointing:
             checkpoint_layers(self.model)
-        if cfg.compile:  # per layer, so that DDP's and FSDP's communication stays outside the graphs
+        if cfg.compile and ctx.enabled:  # per layer, so that DDP's and FSDP's communication stays outside the graphs
             compile_layers(self.model, task.dynamic_shapes)
         self.train_model = distributed.wrap_model(self.model, ctx, cfg.dtype)  # DDP around it, or sharded in place
+        if cfg.compile and not ctx.enabled:  # one process: the whole model is one graph
+            self.train_model = cast(nn.Module, torch.compile(self.model, fullgraph=True, dynamic=task.dynamic_shapes))
         self.pending: PendingSave | None = None  # a checkpoint being written in the background
         self.optimizer = make_optimizer(self.model, cfg)  # after wrapping: FSDP replaces the parameters
         self.schedule = LRSchedule(cfg.lr, min(cfg.warmup_steps, cfg.max_steps), cfg.max_steps, cfg.final_lr,
