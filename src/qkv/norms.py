@@ -29,6 +29,13 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d_model))
         self.bias = nn.Parameter(torch.zeros(d_model)) if bias else None
 
+    def reset_parameters(self) -> None:
+        """γ = 1, β = 0 (in place; also what materialises a model built on the meta device)."""
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+            if self.bias is not None:
+                self.bias.zero_()
+
     def forward(self, x: Tensor) -> Tensor:
         """(..., d) → (..., d); F.layer_norm computes exactly the formula in the module docstring."""
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
@@ -41,6 +48,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d_model))
+
+    def reset_parameters(self) -> None:
+        """γ = 1 (in place)."""
+        with torch.no_grad():
+            self.weight.fill_(1.0)
 
     def forward(self, x: Tensor) -> Tensor:
         """(..., d) → (..., d), computed in float32 for stability under bf16/fp16."""

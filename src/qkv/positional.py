@@ -56,9 +56,13 @@ class SinusoidalPositionalEncoding(nn.Module):
 
     def __init__(self, d_model: int, max_len: int, layout: Literal["interleaved", "halves"] = "interleaved") -> None:
         super().__init__()
-        self.max_len = max_len
+        self.max_len, self.d_model, self.layout = max_len, d_model, layout
         # Not persistent: it is a pure function of the config, so checkpoints need not carry it.
         self.register_buffer("table", sinusoidal_table(max_len, d_model, layout), persistent=False)
+
+    def reset_parameters(self) -> None:
+        """Recompute the table in place (what materialises a model built on the meta device)."""
+        self.table.copy_(sinusoidal_table(self.max_len, self.d_model, self.layout))
 
     def forward(self, length: int, start: int = 0) -> Tensor:
         """(length, d_model) encodings of positions start .. start + length − 1."""
@@ -105,12 +109,23 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         if head_dim % 2 != 0:
             raise QkvError(f"rotary positions need an even head dim, got {head_dim}")
-        self.max_len = max_len
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        angles = torch.arange(max_len, dtype=torch.float64)[:, None] * inv_freq  # (L, D/2)
+        self.max_len, self.head_dim, self.base = max_len, head_dim, base
+        cos, sin = self._tables()
+        self.register_buffer("cos_table", cos, persistent=False)
+        self.register_buffer("sin_table", sin, persistent=False)
+
+    def _tables(self) -> tuple[Tensor, Tensor]:
+        """(cos, sin), each (max_len, head_dim), computed in float64 and stored in float32."""
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))
+        angles = torch.arange(self.max_len, dtype=torch.float64)[:, None] * inv_freq  # (L, D/2)
         angles = torch.cat([angles, angles], dim=-1)  # (L, D): both halves share a frequency
-        self.register_buffer("cos_table", angles.cos().float(), persistent=False)
-        self.register_buffer("sin_table", angles.sin().float(), persistent=False)
+        return angles.cos().float(), angles.sin().float()
+
+    def reset_parameters(self) -> None:
+        """Recompute the tables in place (what materialises a model built on the meta device)."""
+        cos, sin = self._tables()
+        self.cos_table.copy_(cos)
+        self.sin_table.copy_(sin)
 
     def forward(self, length: int, start: int = 0) -> tuple[Tensor, Tensor]:
         """(cos, sin), each (length, head_dim), for positions start .. start + length − 1."""

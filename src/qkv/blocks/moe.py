@@ -67,6 +67,10 @@ class MoEFeedForward(nn.Module):
         # n_shared shared experts summed = one FFN n_shared times as wide (DeepSeek stores them so).
         self.shared = FeedForward(d_model, d_ff * n_shared, activation, dropout, bias) if n_shared else None
 
+    def reset_parameters(self) -> None:
+        """The load-balancing bias back to zero (its own state; the experts are initialised as any Linear)."""
+        self.score_bias.zero_()
+
     @classmethod
     def from_config(cls, cfg: BlockConfig) -> MoEFeedForward:
         """The MoE layer a (validated) config with moe_experts > 0 describes."""

@@ -48,7 +48,7 @@ from qkv.io.run_dir import (
     write_run_config,
 )
 from qkv.models import model_type_of
-from qkv.training import distributed
+from qkv.training import distributed, meta_init
 from qkv.training.checkpoint import PendingSave, has_checkpoint, load_checkpoint, save_checkpoint
 from qkv.training.compiled import compile_layers
 from qkv.training.config import RunConfig
@@ -149,7 +149,10 @@ class _Trainer:
         random.seed(cfg.seed)  # and Python's and NumPy's generators, which a checkpoint saves, for hooks that draw
         np.random.seed(cfg.seed % 2**32)
         task.setup(run_dir, cfg.resume)
-        self.model = task.build_model().to(ctx.device)
+        # Sharded runs build on the meta device and fill each rank's shards after wrapping (an on_model hook
+        # sees the whole model first, so such runs build eagerly).
+        self.model, plan = meta_init.build(task.build_model, on_meta=ctx.sharded and hooks.on_model is None)
+        self.model = self.model if plan is not None else self.model.to(ctx.device)
         # A LoRA run's frozen weights are its base's, which the task loads (and config.json references): its
         # checkpoints hold what trains. Any other model saves every tensor, frozen or not.
         self.frozen = {n for n, p in self.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
@@ -163,6 +166,8 @@ class _Trainer:
         if cfg.compile and ctx.enabled:  # per layer, so that DDP's and FSDP's communication stays outside the graphs
             compile_layers(self.model, task.dynamic_shapes)
         self.train_model = distributed.wrap_model(self.model, ctx, cfg.dtype)  # DDP around it, or sharded in place
+        if plan is not None:
+            meta_init.materialise(self.model, plan, ctx.device)
         if cfg.compile and not ctx.enabled:  # one process: the whole model is one graph
             self.train_model = cast(nn.Module, torch.compile(self.model, fullgraph=True, dynamic=task.dynamic_shapes))
         self.pending: PendingSave | None = None  # a checkpoint being written in the background
