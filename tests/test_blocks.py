@@ -152,7 +152,7 @@ def test_residual_norm_placement(placement: str) -> None:
     x = torch.randn(3, 4, 8)
     norm = nn.LayerNorm(8)
     norm.load_state_dict(res.norm.state_dict())
-    out = res.after(x, lin(res.before(x)))
+    out = res(x, lin(res.before(x)))
     expected = x + lin(norm(x)) if placement == "pre" else norm(x + lin(x))
     assert torch.allclose(out, expected, atol=1e-6)
 
@@ -307,8 +307,24 @@ def test_block_config_validation() -> None:
         BlockConfig(norm_placement="middle")  # type: ignore[arg-type]
     with pytest.raises(QkvError, match=r"norm_eps must be positive"):
         BlockConfig(norm_eps=0.0)
-    with pytest.raises(QkvError, match=r"d_ff must be a positive integer"):
-        BlockConfig(d_ff=0)
+    with pytest.raises(QkvError, match=r"d_ff must be an integer ≥ 0 \(0 = attention-only layers\), got -1"):
+        BlockConfig(d_ff=-1)
+    with pytest.raises(QkvError, match=r"moe_experts needs feed-forward layers: d_ff=0"):
+        BlockConfig(d_ff=0, moe_experts=4)
+
+
+def test_an_attention_only_layer_is_self_attention_plus_the_residual() -> None:
+    """d_ff=0: no feed-forward and no second residual norm; the layer is x + Attn(Norm(x)) exactly."""
+    from qkv.blocks import DecoderLayer
+
+    torch.manual_seed(0)
+    cfg = BlockConfig(d_model=16, n_heads=4, d_ff=0, dropout=0.0, norm_placement="pre")
+    layer = DecoderLayer(cfg, cross_attention=False).eval()
+    assert layer.ffn is None and layer.ffn_residual is None
+    assert not any("ffn" in name for name, _ in layer.named_parameters())
+    x = torch.randn(2, 5, 16)
+    h = layer.self_residual.norm(x)
+    assert torch.equal(layer(x), x + layer.self_attn(h, causal=True))
 
 
 def test_silu_known_values_and_config() -> None:

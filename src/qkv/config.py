@@ -36,7 +36,8 @@ class BlockConfig:
     d_model: int = 512
     n_heads: int = 8
     n_kv_heads: int | None = None  # None = n_heads (multi-head); 1 = multi-query; else grouped-query
-    d_ff: int | None = None  # None = 4 · d_model (ReLU/GELU/SiLU) or ⌈8/3 · d_model⌉₈ (SwiGLU)
+    # None = 4 · d_model (ReLU/GELU/SiLU) or ⌈8/3 · d_model⌉₈ (SwiGLU); 0 = no feed-forward (attention-only layers)
+    d_ff: int | None = None
     dropout: float = 0.1
     # On the attention weights. None = `dropout` (Tensor2Tensor, HF); the paper drops only sub-layer outputs and
     # embeddings, and 0 lets PyTorch's fused attention kernel run while training on a CPU.
@@ -80,7 +81,8 @@ class BlockConfig:
             # SwiGLU has three matrices instead of two: 8/3 · d_model (rounded up to a multiple of 8)
             # keeps its parameters and FLOPs equal to a 4 · d_model ReLU/GELU layer's.
             self.d_ff = 4 * self.d_model if self.activation != "swiglu" else -(-8 * self.d_model // 24) * 8
-        _positive(self, "d_ff")
+        if not isinstance(self.d_ff, int) or isinstance(self.d_ff, bool) or self.d_ff < 0:
+            raise QkvError(f"d_ff must be an integer ≥ 0 (0 = attention-only layers), got {self.d_ff!r}")
         if self.attention_dropout == self.dropout:
             self.attention_dropout = None  # one spelling per config, so that equal configs compare equal
         for name, p in (("dropout", self.dropout), ("attention_dropout", self.attn_dropout)):
@@ -306,6 +308,8 @@ def _check_moe(cfg: BlockConfig) -> None:
         raise QkvError(f"moe_experts must be an integer ≥ 0 (0 = dense FFNs), got {cfg.moe_experts!r}")
     if cfg.moe_experts == 0:
         return
+    if cfg.d_ff == 0:
+        raise QkvError("moe_experts needs feed-forward layers: d_ff=0 (attention-only) has none")
     if cfg.moe_d_ff is None:
         cfg.moe_d_ff = cfg.d_ff
     _positive(cfg, "moe_top_k", "moe_groups", "moe_topk_groups", "moe_d_ff")

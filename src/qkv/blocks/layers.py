@@ -37,9 +37,12 @@ def _cross_attention(cfg: BlockConfig) -> MultiHeadAttention:
     return MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, bias=cfg.bias, dropout=cfg.attn_dropout)
 
 
-def _feed_forward(cfg: BlockConfig, index: int = 0) -> FeedForward | MoEFeedForward:
-    """A FeedForward shaped by the block config (a mixture of experts past the config's first dense layers)."""
+def _feed_forward(cfg: BlockConfig, index: int = 0) -> FeedForward | MoEFeedForward | None:
+    """A FeedForward shaped by the block config (a mixture of experts past the config's first dense layers);
+    None for attention-only layers (d_ff=0)."""
     assert cfg.d_ff is not None
+    if cfg.d_ff == 0:
+        return None
     if cfg.moe_experts and index >= cfg.moe_first_dense:
         return MoEFeedForward.from_config(cfg)
     return FeedForward(cfg.d_model, cfg.d_ff, cfg.activation, cfg.dropout, cfg.bias)
@@ -53,12 +56,12 @@ class EncoderLayer(nn.Module):
         self.self_attn = _self_attention(cfg)
         self.attn_residual = ResidualNorm(cfg)
         self.ffn = _feed_forward(cfg, index)  # index: which layer of the stack this is
-        self.ffn_residual = ResidualNorm(cfg)
+        self.ffn_residual = ResidualNorm(cfg) if self.ffn is not None else None
 
     def forward(self, x: Tensor, mask: Tensor | None = None, rope: Rope = None) -> Tensor:
         """(B, T, d_model) → (B, T, d_model)."""
-        x = self.attn_residual.after(x, self.self_attn(self.attn_residual.before(x), mask=mask, rope=rope))
-        return self.ffn_residual.after(x, self.ffn(self.ffn_residual.before(x)))
+        x = self.attn_residual(x, self.self_attn(self.attn_residual.before(x), mask=mask, rope=rope))
+        return _feed_forward_sublayer(self, x)
 
 
 class DecoderLayer(nn.Module):
@@ -71,7 +74,7 @@ class DecoderLayer(nn.Module):
         self.cross_attn = _cross_attention(cfg) if cross_attention else None
         self.cross_residual = ResidualNorm(cfg) if cross_attention else None
         self.ffn = _feed_forward(cfg, index)  # index: which layer of the stack this is
-        self.ffn_residual = ResidualNorm(cfg)
+        self.ffn_residual = ResidualNorm(cfg) if self.ffn is not None else None
 
     def new_cache(self, capacity: int = 256) -> LayerCache:
         """This layer's empty cache: its self-attention's own kind (latent for MLA), and a cross-attention K/V."""
@@ -89,14 +92,21 @@ class DecoderLayer(nn.Module):
         """(B, T, d_model) → (B, T, d_model)."""
         self_cache = cache.self_attn if cache is not None else None
         h = self.self_residual.before(x)
-        x = self.self_residual.after(x, self.self_attn(h, mask=self_mask, causal=True, cache=self_cache, rope=rope))
+        x = self.self_residual(x, self.self_attn(h, mask=self_mask, causal=True, cache=self_cache, rope=rope))
         if self.cross_attn is not None and self.cross_residual is not None:
             if memory is None:
                 raise QkvError("this decoder layer has cross-attention: pass the encoder output as memory")
             cross_cache = cache.cross_attn if cache is not None else None
             h = self.cross_residual.before(x)
-            x = self.cross_residual.after(x, self.cross_attn(h, context=memory, mask=memory_mask, cache=cross_cache))
-        return self.ffn_residual.after(x, self.ffn(self.ffn_residual.before(x)))
+            x = self.cross_residual(x, self.cross_attn(h, context=memory, mask=memory_mask, cache=cross_cache))
+        return _feed_forward_sublayer(self, x)
+
+
+def _feed_forward_sublayer(layer: EncoderLayer | DecoderLayer, x: Tensor) -> Tensor:
+    """x plus the layer's feed-forward output, in its residual norm; x itself for an attention-only layer."""
+    if layer.ffn is None or layer.ffn_residual is None:
+        return x
+    return layer.ffn_residual(x, layer.ffn(layer.ffn_residual.before(x)))
 
 
 class Encoder(nn.Module):

@@ -17,7 +17,11 @@ from qkv.norms import make_norm
 
 
 class ResidualNorm(nn.Module):
-    """The norm and dropout around one sublayer; `before` feeds the sublayer, `after` adds it back."""
+    """The norm and dropout around one sublayer; `before` feeds the sublayer, calling the module adds it back.
+
+    The sum is the module's forward, so a forward hook sees the residual stream after each sublayer
+    (qkv.interpret names it resid_mid).
+    """
 
     def __init__(self, cfg: BlockConfig) -> None:
         super().__init__()
@@ -29,7 +33,7 @@ class ResidualNorm(nn.Module):
         """The sublayer's input: Norm(x) for pre-norm, x itself for post-norm."""
         return self.norm(x) if self.pre_norm else x
 
-    def after(self, x: Tensor, sublayer_out: Tensor) -> Tensor:
+    def forward(self, x: Tensor, sublayer_out: Tensor) -> Tensor:
         """The residual sum, normalised after the addition for post-norm."""
         x = x + self.dropout(sublayer_out)
         return x if self.pre_norm else self.norm(x)

@@ -1,4 +1,4 @@
-"""The `qkv` command: train, prepare, generate, eval, translate, chat, convert, lab, explore, bench.
+"""The `qkv` command: train, prepare, generate, eval, translate, chat, convert, lab, interpret, explore, bench.
 
 Every user mistake ends in one line on stderr and exit code 2, never a traceback. Building the parser
 imports no heavy package (torch loads when a command runs), so `qkv --help` answers at once. The
@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from qkv.cli import bench, chat, convert, explore, lab, prepare, runs, train
+from qkv.cli import bench, chat, convert, explore, interpret, lab, prepare, runs, train
 from qkv.cli.common import Parser, key_value
 from qkv.errors import QkvError
 
@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The full `qkv` argument parser (`qkv train`'s options are built per task when it runs)."""
     parser = Parser(prog="qkv", description="qkv — the Transformer, complete.")
     sub = parser.add_subparsers(dest="command", parser_class=Parser)
-    commands = (train, prepare, runs, chat, convert, lab, explore, bench)
+    commands = (train, prepare, runs, chat, convert, lab, interpret, explore, bench)
     for command in commands:
         command.register(sub)
     return parser

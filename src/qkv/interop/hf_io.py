@@ -150,6 +150,8 @@ def plain_block_problems(cfg: DecoderLMConfig) -> list[str]:
     problems = [] if cfg.attention == "mha" else [f"attention={cfg.attention!r} (needs 'mha')"]
     if cfg.moe_experts:
         problems.append(f"moe_experts={cfg.moe_experts} (needs dense feed-forward layers)")
+    if cfg.d_ff == 0:
+        problems.append("d_ff=0 (attention-only layers; needs a feed-forward in every layer)")
     return problems
 
 
