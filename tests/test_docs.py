@@ -1,6 +1,6 @@
 """The notebooks and the documentation site: built as a reader gets them, and opened in a real browser.
 
-One `mkdocs build --strict` (module fixture) executes all eleven notebooks (mkdocs-jupyter, errors not
+One `mkdocs build --strict` (module fixture) executes all twelve notebooks (mkdocs-jupyter, errors not
 allowed) and renders the guides and the API reference; the tests then read the built site, follow
 every link in it and in the README, and open it in headless Chromium.
 """
@@ -46,8 +46,8 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_eleven_notebooks_each_a_paired_percent_file_that_asserts_its_claim() -> None:
-    assert len(NOTEBOOKS) == 11, NOTEBOOKS
+def test_twelve_notebooks_each_a_paired_percent_file_that_asserts_its_claim() -> None:
+    assert len(NOTEBOOKS) == 12, NOTEBOOKS
     for path in NOTEBOOKS:
         text = path.read_text(encoding="utf-8")
         assert "formats: ipynb,py:percent" in text and "format_name: percent" in text, path.name
@@ -74,7 +74,7 @@ def test_the_api_reference_and_guides_are_built(site: Path) -> None:
                  "score_items", "load_items"):
         assert name in api, name
     for guide in ("getting-started", "training", "lab", "explore", "translation", "interop", "mla", "speed",
-                  "distributed", "inside", "tests", "evaluation", "finetuning", "benchmarks/SPEEDRUN",
+                  "distributed", "inside", "interpret", "tests", "evaluation", "finetuning", "benchmarks/SPEEDRUN",
                   "benchmarks/TRANSLATION"):  # fmt: skip
         assert (site / guide / "index.html").is_file(), guide
     home = html.unescape(re.sub(r"<[^>]+>", "", (site / "index.html").read_text(encoding="utf-8")))

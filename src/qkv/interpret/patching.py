@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from qkv.errors import QkvError
 from qkv.interpret.hooks import hooked, run_with_cache
 from qkv.interpret.lens import readout_of
+from qkv.models import DecoderLM
 
 Progress = Callable[[int, int], None]  # (done, total) forward passes
 
@@ -55,7 +56,7 @@ def activation_patching(model: nn.Module, clean: Tensor, corrupted: Tensor, answ
     model.eval()
     with torch.no_grad():
         clean_logits, clean_acts = run_with_cache(model, clean, names=names)
-        corrupted_logits = model(corrupted)
+        corrupted_logits = _last_logits(model, corrupted)
         base = float(logit_diff(corrupted_logits, answer, wrong)[0])
         top = float(logit_diff(clean_logits, answer, wrong)[0])
         n_heads = clean_acts[f"{stack}.layers.0.attn.z"].shape[2]
@@ -88,7 +89,15 @@ def _patched(model: nn.Module, corrupted: Tensor, name: str, patch: Callable[[Te
              answer: int, wrong: int) -> Tensor:  # fmt: skip
     """The metric of `rows` copies of the corrupted prompt, row r patched by patch (which knows r's patch)."""
     with hooked(model, patch={name: patch}):
-        return logit_diff(model(corrupted.expand(rows, -1)), answer, wrong)
+        return logit_diff(_last_logits(model, corrupted.expand(rows, -1)), answer, wrong)
+
+
+def _last_logits(model: nn.Module, ids: Tensor) -> Tensor:
+    """(B, 1, vocab) logits at the last position: a decoder LM applies its head there alone (a fifth of
+    SmolLM2's forward pass is its 49,152-row head)."""
+    if isinstance(model, DecoderLM):
+        return model.lm_head(model.hidden(ids)[:, -1:])
+    return model(ids)[:, -1:]
 
 
 def _diagonal(clean: Tensor) -> Callable[[Tensor], Tensor]:
