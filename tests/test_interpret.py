@@ -97,7 +97,18 @@ def test_patching_replaces_one_activation_and_bad_names_fail_in_one_line() -> No
     with pytest.raises(QkvError, match=r"unknown hook name 'decoder.layers.1.resid_pst'; did you mean "
                                        r"decoder.layers.1.resid_post"):
         hooked(model, cache="decoder.layers.1.resid_pst").__enter__()
-    with pytest.raises(QkvError, match=r"decoder.layers.0.attn.pattern cannot be replaced"):
+    def without_head_2(value: torch.Tensor) -> torch.Tensor:  # (B, T, H, ·): head 2 writes nothing
+        return torch.cat([value[..., :2, :], torch.zeros_like(value[..., 2:3, :]), value[..., 3:, :]], dim=-2)
+
+    runs = {}
+    for name in ("decoder.layers.1.attn.z", "decoder.layers.1.attn.result"):
+        with torch.no_grad(), hooked(model, patch={name: without_head_2}):
+            runs[name] = model(clean)
+    torch.testing.assert_close(runs["decoder.layers.1.attn.z"], runs["decoder.layers.1.attn.result"], atol=1e-5,
+                               rtol=0)  # a head's result is z_h · W_O[:, h]ᵀ: zeroing either removes the head
+    assert not torch.allclose(runs["decoder.layers.1.attn.z"], logits, atol=1e-3)
+    with pytest.raises(QkvError, match=r"decoder.layers.0.attn.pattern cannot be replaced \(attention weights are "
+                                       r"read-only\); patch decoder.layers.0.attn.z"):
         hooked(model, patch={"decoder.layers.0.attn.pattern": lambda x: x}).__enter__()
     wrong_shape = hooked(model, patch={"decoder.layers.0.resid_pre": lambda x: torch.zeros(3)})
     with pytest.raises(QkvError, match=r"the patch of decoder.layers.0.resid_pre returned shape \(3,\)"), \

@@ -21,8 +21,8 @@ with and without LoRA adapters. For each layer L:
     L.ffn_out       (B, T, d)      the feed-forward's output (absent in attention-only layers)
     L.resid_post    (B, T, d)      the stream leaving the layer
     L.attn.z        (B, T, H, d_v) each head's attention-weighted values, before W_O
-    L.attn.result   (B, T, H, d)   each head's write into the stream: z_h · W_O[:, h]ᵀ (read-only)
-    L.attn.pattern  (B, H, T, T)   each head's attention weights (read-only)
+    L.attn.result   (B, T, H, d)   each head's write into the stream: z_h · W_O[:, h]ᵀ
+    L.attn.pattern  (B, H, T, T)   each head's attention weights (read-only: to change a head, patch z)
 
 (and L.cross.z, L.cross.result, L.cross.pattern). A head is a query head: with grouped-query attention the
 query heads of a group share one K/V head, and head h's z is its own attention over that shared V.
@@ -47,8 +47,8 @@ from qkv.blocks.lora import LoRALinear
 from qkv.errors import QkvError
 
 Patch = Callable[[Tensor], Tensor]
-# Where an activation is read: a module's input (first positional argument), its output, or the input of an
-# attention's W_O seen per head. `derived` ones are computed from another activation and cannot be replaced.
+# Where an activation is read: a module's input (first positional argument), its output, the input of an
+# attention's W_O seen per head (z), each head's share of W_O's output (result), or recorded attention weights.
 _INPUT, _OUTPUT, _HEADS, _RESULT, _PATTERN = "input", "output", "heads", "result", "pattern"
 
 
@@ -64,7 +64,7 @@ class Site:
     @property
     def patchable(self) -> bool:
         """True if a forward pass can be run with this activation replaced."""
-        return self.kind in (_INPUT, _OUTPUT, _HEADS)
+        return self.kind != _PATTERN
 
 
 def hook_sites(model: nn.Module) -> dict[str, Site]:
@@ -121,8 +121,8 @@ def hooked(
     for name in patches:
         check_name(sites, name)
         if name not in sites or not sites[name].patchable:
-            raise QkvError(f"{name} cannot be replaced (it is computed from another activation); patch "
-                           f"{name.rsplit('.', 1)[0]}.z or the stream instead")  # fmt: skip
+            raise QkvError(f"{name} cannot be replaced (attention weights are read-only); patch "
+                           f"{name.rsplit('.', 1)[0]}.z to change what the head writes")  # fmt: skip
     token = object()
     acts: dict[str, Tensor] = {}
     handles = [_install(name, sites[name], token, acts, name in wanted, patches.get(name))
@@ -170,6 +170,14 @@ def _install(name: str, site: Site, token: object, acts: dict[str, Tensor], keep
         def after(module: nn.Module, args: object, output: Tensor) -> Tensor | None:
             return handle(output) if _ACTIVE.get() is token else None
         return site.module.register_forward_hook(after)
+    if site.kind == _RESULT:
+        def split(module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> Tensor | None:
+            if _ACTIVE.get() is not token:
+                return None
+            old = head_results(module, args[0].unflatten(-1, (site.n_heads, -1)))  # (B, T, H, d)
+            new = handle(old)
+            return output if new is old else output + (new - old).sum(-2)  # W_O's output is Σ_h result_h + b_O
+        return site.module.register_forward_hook(split)
 
     def before(module: nn.Module, args: tuple[Tensor, ...]) -> tuple[Tensor, ...] | None:
         if _ACTIVE.get() is not token:
@@ -178,9 +186,6 @@ def _install(name: str, site: Site, token: object, acts: dict[str, Tensor], keep
         if site.kind == _INPUT:
             return (handle(x), *args[1:])
         heads = x.unflatten(-1, (site.n_heads, -1))  # (B, T, H·d_v) → (B, T, H, d_v)
-        if site.kind == _RESULT:
-            acts[name] = head_results(module, heads).detach()
-            return None
         return (handle(heads).flatten(-2), *args[1:])
 
     return site.module.register_forward_pre_hook(before)
