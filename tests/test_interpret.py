@@ -208,3 +208,26 @@ def test_induction_scores_of_known_patterns() -> None:
     assert rep.shape == (3, 10) and torch.equal(rep[:, :5], rep[:, 5:])
     induction, previous = head_scores(_model(), rep)
     assert induction.shape == previous.shape == (3, 4) and float(induction.max()) <= 1.0
+
+
+def test_the_lens_reads_encoder_decoders_and_masked_lm_encoders_too() -> None:
+    """Its last row is the model's own output: an encoder–decoder's decoder (given the source), and a BERT-style
+    encoder through its masked-LM head (post-norm, no final norm: the note says what is used instead)."""
+    from qkv.config import EncoderConfig
+
+    torch.manual_seed(0)
+    seq2seq = build_model(TransformerConfig(src_vocab_size=20, tgt_vocab_size=20, d_model=16, n_heads=2,
+                                            n_encoder_layers=1, n_decoder_layers=2, d_ff=32,
+                                            norm_placement="pre")).eval()  # fmt: skip
+    src, tgt = torch.randint(0, 20, (1, 6)), torch.randint(0, 20, (1, 5))
+    lens = logit_lens(seq2seq, src, tgt)
+    with torch.no_grad():
+        assert lens.labels == ["embeddings", "after layer 0", "after layer 1"]
+        assert torch.equal(lens.logits[-1], seq2seq(src, tgt))
+    bert = build_model(EncoderConfig(vocab_size=30, d_model=16, n_heads=2, n_layers=2, d_ff=32, max_positions=16,
+                                     mlm_head=True)).eval()  # fmt: skip
+    ids = torch.randint(0, 30, (1, 7))
+    lens = logit_lens(bert, ids)
+    with torch.no_grad():
+        assert torch.equal(lens.logits[-1], bert(ids).logits)
+    assert lens.note.startswith("this model has no final norm")
