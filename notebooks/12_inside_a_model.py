@@ -68,7 +68,8 @@ print(hook_names(model, "decoder.layers.0.*"))
 logits, acts = run_with_cache(model, clean)
 layer = "decoder.layers.12"
 sum_error = float((acts[f"{layer}.resid_mid"] + acts[f"{layer}.ffn_out"] - acts[f"{layer}.resid_post"]).abs().max())
-print(f"|resid_mid + ffn_out − resid_post| = {sum_error}; the model says {tokenizer.decode([int(logits[0, -1].argmax())])!r}")
+answer = tokenizer.decode([int(logits[0, -1].argmax())])
+print(f"|resid_mid + ffn_out − resid_post| = {sum_error}; the model says {answer!r}")
 
 # %% [markdown]
 # ## The logit lens
