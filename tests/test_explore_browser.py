@@ -221,11 +221,13 @@ def test_a_translation_run_shows_cross_attention(page: Page) -> None:
 
 
 def test_every_panel_draws_without_a_console_error(page: Page) -> None:
-    for tab in ("positions", "weights", "model", "sheet"):
+    for tab in ("positions", "weights", "model", "inside", "sheet"):
         page.tab(tab)
         time.sleep(0.3)
+    wait_for(lambda: page.js("return document.querySelectorAll('#heads-top li').length"), "the inside panel")
     page.collect()
     assert page.js("return document.querySelectorAll('#norm-outputs table').length") == 4
+    assert page.js("return document.querySelectorAll('#lens-grid td').length") == 3 * len("The capital of France is")
     errors = [entry for entry in page.console if entry["level"] in ("SEVERE", "WARNING")]
     assert errors == [], errors
     assert page.texts("#status")[0] == ""

@@ -7,6 +7,8 @@ JSON API whose numbers come from qkv itself, so that the page and the Python API
     body.py         a request's JSON fields, each checked with a one-line error
     panels.py       the attention spreadsheet, trainable weights, multi-head shapes, positions and norms (qkv.lab)
     model_panel.py  a run's attention maps, next-token distribution and generation steps
+    inside.py       inside a run (qkv.interpret): the logit lens and every head's induction scores
+    patch_jobs.py   activation patching, computed layer by layer in a thread while the page polls it
     routes.py       one function per API route
     server.py       the Starlette app, the Host-header check, and serve()
 """

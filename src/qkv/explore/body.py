@@ -72,6 +72,10 @@ class Body:
             raise QkvError(f"{name!r} is {len(value):,} characters long; the limit is {limit:,}")
         return value
 
+    def optional_text(self, name: str, limit: int = MAX_TEXT) -> str | None:
+        """A string of at most `limit` characters, or null / absent."""
+        return None if self.payload.get(name) is None else self.text(name, limit=limit)
+
     def strings(self, name: str, limit: int = 64) -> list[str]:
         """A list of non-empty strings (words), stripped of surrounding spaces."""
         value = self._get(name, MISSING)

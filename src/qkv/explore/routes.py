@@ -9,6 +9,10 @@
     POST /api/attention    {run, text, layer?, head?}: weights and pre-softmax scores, every layer and head
     POST /api/next         {run, text | ids, temperature, top_k, top_p}: the next-token distribution
     POST /api/step         {run, text | ids, temperature, top_k, top_p, seed}: one generated token
+    POST /api/lens         {run, text, k?}: the logit lens, top-k tokens per stream and position (inside.py)
+    POST /api/heads        {run, seed?, length?, batch?}: every head's induction and previous-token scores
+    POST /api/patching     {run, clean, corrupted, answer?, wrong?, heads?}: starts a patching map (patch_jobs.py)
+    POST /api/patching_status {job}: its rows so far;  POST /api/patching_cancel {job}: stop it
 GET /api/runs lists the runs the page may open.
 """
 
@@ -18,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from qkv.errors import QkvError
-from qkv.explore import model_panel, panels
+from qkv.explore import inside, model_panel, panels, patch_jobs
 from qkv.explore.body import Body
 from qkv.explore.library import TASKS, RunLibrary
 from qkv.generation import Sampling
@@ -100,9 +104,40 @@ def step(library: RunLibrary, body: Body) -> dict[str, Any]:
     return model_panel.step(_run(library, body), body.text("text", ""), body.ids("ids"), _sampling(body))
 
 
+def lens(library: RunLibrary, body: Body) -> dict[str, Any]:
+    """POST /api/lens."""
+    return inside.lens(_run(library, body), body.text("text"), body.integer("k", 1, inside.MAX_TOP, inside.LENS_TOP))
+
+
+def heads(library: RunLibrary, body: Body) -> dict[str, Any]:
+    """POST /api/heads."""
+    return inside.heads(_run(library, body), body.integer("seed", 0, SEED_LIMIT, 0),
+                        body.optional_integer("length", 2, inside.MAX_REPEAT),
+                        body.integer("batch", 1, inside.MAX_REPEAT_BATCH, 4))  # fmt: skip
+
+
+def patching(library: RunLibrary, body: Body) -> dict[str, Any]:
+    """POST /api/patching."""
+    return patch_jobs.start(_run(library, body), body.text("clean"), body.text("corrupted"),
+                            body.optional_text("answer", limit=200), body.optional_text("wrong", limit=200),
+                            body.boolean("heads", True))  # fmt: skip
+
+
+def patching_status(library: RunLibrary, body: Body) -> dict[str, Any]:
+    """POST /api/patching_status."""
+    return patch_jobs.JOBS.get(body.text("job", limit=64)).snapshot()
+
+
+def patching_cancel(library: RunLibrary, body: Body) -> dict[str, Any]:
+    """POST /api/patching_cancel."""
+    return patch_jobs.JOBS.cancel(body.text("job", limit=64)).snapshot()
+
+
 POSTS: dict[str, Callable[[RunLibrary, Body], dict[str, Any]]] = {
     "spreadsheet": spreadsheet, "trainable": trainable, "multihead": multihead, "positions": positions,
     "norms": norms, "model": model, "attention": attention, "next": next_token, "step": step,
+    "lens": lens, "heads": heads, "patching": patching, "patching_status": patching_status,
+    "patching_cancel": patching_cancel,
 }  # fmt: skip
 
 

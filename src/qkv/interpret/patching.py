@@ -15,7 +15,7 @@ approximation), batched: one forward per layer, one row per position or head.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -44,52 +44,81 @@ def logit_diff(logits: Tensor, answer: int, wrong: int) -> Tensor:
     return logits[:, -1, answer] - logits[:, -1, wrong]
 
 
-def activation_patching(model: nn.Module, clean: Tensor, corrupted: Tensor, answer: int, wrong: int,
-                        heads: bool = True, progress: Progress | None = None) -> PatchingResult:  # fmt: skip
-    """Patch every layer's stream at every position (and every head) from `clean` into `corrupted` (each (1, T))."""
+Row = tuple[str, int, Tensor]  # ("resid" or "heads", layer, normalised effects (T,) or (H,))
+
+
+@dataclass
+class PatchingPlan:
+    """A patching map ready to compute: the clean run's activations, the metric's two ends, the rows to run."""
+
+    model: nn.Module
+    corrupted: Tensor  # (1, T)
+    answer: int
+    wrong: int
+    acts: dict[str, Tensor]  # the clean run's streams entering each layer, and its heads' z
+    stack: str
+    n_layers: int
+    n_heads: int
+    heads: bool
+    clean: float  # the metric on the clean prompt
+    corrupted_metric: float  # the metric on the corrupted prompt
+
+    @property
+    def total(self) -> int:
+        """Batched forward passes (rows of the maps) in all."""
+        return self.n_layers * (2 if self.heads else 1)
+
+    def rows(self) -> Iterator[Row]:
+        """Each layer's row of the stream map, then of the heads map: one batched forward pass each, computed as
+        the iterator is advanced (so that a caller can show, or stop, a map as it fills)."""
+        t = self.corrupted.shape[1]
+        for i in range(self.n_layers):
+            value = self.acts[f"{self.stack}.layers.{i}.resid_pre"][0]  # (T, d)
+            yield "resid", i, self._effects(f"{self.stack}.layers.{i}.resid_pre", _diagonal(value), t)
+        for i in range(self.n_layers) if self.heads else ():
+            z = self.acts[f"{self.stack}.layers.{i}.attn.z"][0]  # (T, H, d_v)
+            yield "heads", i, self._effects(f"{self.stack}.layers.{i}.attn.z", _per_head(z), self.n_heads)
+
+    def _effects(self, name: str, patch: Callable[[Tensor], Tensor], rows: int) -> Tensor:
+        """The normalised effect of each of `rows` patched copies of the corrupted prompt."""
+        with torch.no_grad(), hooked(self.model, patch={name: patch}):
+            metric = logit_diff(_last_logits(self.model, self.corrupted.expand(rows, -1)), self.answer, self.wrong)
+        return (metric.float().cpu() - self.corrupted_metric) / (self.clean - self.corrupted_metric)
+
+
+def plan_patching(model: nn.Module, clean: Tensor, corrupted: Tensor, answer: int, wrong: int,
+                  heads: bool = True) -> PatchingPlan:  # fmt: skip
+    """Run the clean prompt (keeping its activations) and the corrupted one, and check that patching can show
+    anything: prompts (1, T) of the same length that the metric tells apart."""
     if clean.dim() != 2 or clean.shape[0] != 1 or clean.shape != corrupted.shape:
         raise QkvError(f"the clean and corrupted prompts must have the same token length, got "
                        f"{clean.shape[-1]} and {corrupted.shape[-1]} tokens")  # fmt: skip
     readout = readout_of(model)
-    stack, n, t = readout.stack, readout.n_layers, clean.shape[1]
+    stack, n = readout.stack, readout.n_layers
     names = [f"{stack}.layers.{i}.{a}" for i in range(n) for a in ("resid_pre", "attn.z")]
     model.eval()
     with torch.no_grad():
-        clean_logits, clean_acts = run_with_cache(model, clean, names=names)
-        corrupted_logits = _last_logits(model, corrupted)
-        base = float(logit_diff(corrupted_logits, answer, wrong)[0])
+        clean_logits, acts = run_with_cache(model, clean, names=names)
+        base = float(logit_diff(_last_logits(model, corrupted), answer, wrong)[0])
         top = float(logit_diff(clean_logits, answer, wrong)[0])
-        n_heads = clean_acts[f"{stack}.layers.0.attn.z"].shape[2]
-        total, done = n * (2 if heads else 1), 0
-        resid = torch.empty(n, t)
-        head_effects = torch.empty(n, n_heads) if heads else None
-        for i in range(n):
-            value = clean_acts[f"{stack}.layers.{i}.resid_pre"][0]  # (T, d)
-            resid[i] = _patched(model, corrupted, f"{stack}.layers.{i}.resid_pre", _diagonal(value), t, answer, wrong)
-            done += 1
-            if progress is not None:
-                progress(done, total)
-        for i in range(n) if heads else ():
-            assert head_effects is not None
-            z = clean_acts[f"{stack}.layers.{i}.attn.z"][0]  # (T, H, d_v)
-            head_effects[i] = _patched(model, corrupted, f"{stack}.layers.{i}.attn.z", _per_head(z), n_heads,
-                                       answer, wrong)  # fmt: skip
-            done += 1
-            if progress is not None:
-                progress(done, total)
-    span = top - base
-    if abs(span) < 1e-6:
+    if abs(top - base) < 1e-6:
         raise QkvError("the clean and corrupted prompts give the same logit difference, so no patch can restore "
                        "anything: pick prompts (or tokens) that the model answers differently")  # fmt: skip
-    return PatchingResult(top, base, (resid - base) / span,
-                          (head_effects - base) / span if head_effects is not None else None)  # fmt: skip
+    n_heads = acts[f"{stack}.layers.0.attn.z"].shape[2]
+    return PatchingPlan(model, corrupted, answer, wrong, acts, stack, n, n_heads, heads, top, base)
 
 
-def _patched(model: nn.Module, corrupted: Tensor, name: str, patch: Callable[[Tensor], Tensor], rows: int,
-             answer: int, wrong: int) -> Tensor:  # fmt: skip
-    """The metric of `rows` copies of the corrupted prompt, row r patched by patch (which knows r's patch)."""
-    with hooked(model, patch={name: patch}):
-        return logit_diff(_last_logits(model, corrupted.expand(rows, -1)), answer, wrong)
+def activation_patching(model: nn.Module, clean: Tensor, corrupted: Tensor, answer: int, wrong: int,
+                        heads: bool = True, progress: Progress | None = None) -> PatchingResult:  # fmt: skip
+    """Patch every layer's stream at every position (and every head) from `clean` into `corrupted` (each (1, T))."""
+    plan = plan_patching(model, clean, corrupted, answer, wrong, heads)
+    maps: dict[str, list[Tensor]] = {"resid": [], "heads": []}
+    for done, (kind, _, effects) in enumerate(plan.rows(), start=1):
+        maps[kind].append(effects)
+        if progress is not None:
+            progress(done, plan.total)
+    return PatchingResult(plan.clean, plan.corrupted_metric, torch.stack(maps["resid"]),
+                          torch.stack(maps["heads"]) if heads else None)  # fmt: skip
 
 
 def _last_logits(model: nn.Module, ids: Tensor) -> Tensor:

@@ -1,5 +1,6 @@
-// The page: four panels behind tabs, each set up by its own module.
+// The page: five panels behind tabs, each set up by its own module.
 import { getJSON, say } from "./common.js";
+import { initInside } from "./inside.js";
 import { initModel } from "./model.js";
 import { initPositions } from "./positions.js";
 import { initSheet } from "./sheet.js";
@@ -21,6 +22,6 @@ showHashTab();
 
 window.qkvExplore = { ready: false };
 getJSON("/api/runs") // the runs the page may open, and the spreadsheet's classic table
-  .then((runs) => Promise.all([initSheet(runs.classic), initWeights(), initModel(runs), initPositions()]))
+  .then((runs) => Promise.all([initSheet(runs.classic), initWeights(), initModel(runs), initPositions(), initInside(runs)]))
   .then(() => { window.qkvExplore.ready = true; })
   .catch((err) => say(err.message, true));

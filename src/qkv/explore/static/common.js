@@ -65,6 +65,12 @@ export function fmt(value, digits = 4) {
   return value.toFixed(digits);
 }
 
+// A map's cell: two decimals (its exact value is in the title); nothing where it is not computed yet.
+export function fixed2(value) {
+  if (!Number.isFinite(value)) return "";
+  return (Math.abs(value) < 0.005 ? 0 : value).toFixed(2); // no "−0.00"
+}
+
 // Token text made visible: spaces as ␣, line breaks as ↵.
 export function showToken(token) {
   return token.replace(/ /g, "␣").replace(/\n/g, "↵").replace(/\t/g, "⇥") || "∅";
@@ -145,17 +151,21 @@ export function heatmap(canvas, rows, { lo = 0, hi = 1, signed = false, labels =
   return { margin, w, h, n, m };
 }
 
-// A table of numbers with row and column labels; each cell keeps its exact value in data-value.
-export function matrixTable(rows, { rowLabels = null, colLabels = null, digits = 3, heat = null, id = null } = {}) {
+// A table of numbers with row and column labels; each cell keeps its exact value in data-value, shows
+// format(v), and title(v, r, c), when given, says what the cell is on hover.
+export function matrixTable(rows, { rowLabels = null, colLabels = null, digits = 3, heat = null, id = null,
+  title = null, format = (v) => fmt(v, digits) } = {}) {
   const table = el("table", { class: "matrix", ...(id ? { id } : {}) });
   if (colLabels) table.append(el("tr", {}, el("th"), ...colLabels.map((c) => el("th", { text: c }))));
   rows.forEach((row, r) => {
     const tr = el("tr", {}, el("th", { text: rowLabels ? rowLabels[r] : String(r) }));
-    row.forEach((v) => {
-      const td = el("td", { text: fmt(v, digits), "data-value": v === null ? "-Infinity" : String(v) });
+    row.forEach((v, c) => {
+      const td = el("td", { text: format(v), "data-value": v === null ? "-Infinity" : String(v) });
+      if (title) td.title = title(v, r, c);
       if (heat) {
         td.style.background = colour(heat(v), heat.signed);
         if (!heat.signed && heat(v) < 0.55) td.style.color = "#fff"; // dark viridis cells
+        if (heat.signed && Math.abs(heat(v)) > 0.6) td.style.color = "#fff"; // deep red or blue cells
       }
       tr.append(td);
     });
