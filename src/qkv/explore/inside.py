@@ -24,7 +24,7 @@ from qkv.models import DecoderLM, EncoderModel
 LENS_TOP = 5  # tokens per cell: the first is drawn, all of them are in its tooltip
 MAX_TOP = 10
 MAX_LENS_TOKENS = 64  # columns of the grid: a page, not a document
-MAX_LENS_LOGITS = 1 << 25  # (L + 1) × T × vocab float32 logits (128 MB), and as many probabilities besides
+MAX_LENS_LOGITS = 1 << 25  # (L + 1) × T × vocab float32 logits held at once, and as many probabilities besides
 REPEAT_LENGTH = 25  # as `qkv interpret heads`
 MAX_REPEAT = 128  # random tokens before they repeat, in the induction measurement
 MAX_REPEAT_BATCH = 8
