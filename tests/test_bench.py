@@ -218,5 +218,8 @@ def test_explore_benchmark_times_start_up_and_every_panel(tmp_path: Path) -> Non
         "attention",
         "next",
         "step",
+        "lens",
+        "heads",
+        "patching",
     ]
     assert all(0 < r["median_ms"] <= r["p95_ms"] for r in report["requests"])
