@@ -56,6 +56,8 @@ def test_heads_and_attribution_print_the_apis_numbers(run: Path, capsys: pytest.
 @pytest.mark.parametrize(("argv", "message"), [
     (["patch", "{run}", "--clean", "To be", "--corrupted", "To be or"],
      "the clean and corrupted prompts must have the same token length, got 5 and 8 tokens"),
+    (["patch", "{run}", "--clean", "To be", "--corrupted", "To"],
+     "the clean and corrupted prompts must have the same token length, got 5 and 2 tokens"),
     (["patch", "{run}", "--clean", "To be", "--corrupted", "To bx", "--answer", "ab"],
      "--answer 'ab' is 2 tokens ('a', 'b'); give exactly one token"),
     (["attribution", "{run}", "--prompt", "To be", "--answer", "e", "--layer", "7"],

@@ -120,6 +120,9 @@ def cmd_patch(args: argparse.Namespace) -> int:
 
     run = _run(args)
     clean, corrupted = _ids(run, args.clean, "--clean"), _ids(run, args.corrupted, "--corrupted")
+    if clean.shape != corrupted.shape:  # before the default tokens, whose forward passes would be wasted
+        raise QkvError(f"the clean and corrupted prompts must have the same token length, got "
+                       f"{clean.shape[-1]} and {corrupted.shape[-1]} tokens")  # fmt: skip
     with torch.no_grad():
         answer = _token(run, args.answer, "--answer") if args.answer else int(run.model(clean)[0, -1].argmax())
         wrong = _token(run, args.wrong, "--wrong") if args.wrong else int(run.model(corrupted)[0, -1].argmax())
