@@ -539,6 +539,32 @@ def test_compiled_training_matches_eager(tmp_path: Path, corpus: Path) -> None:
         assert compiled["val_loss"] == pytest.approx(eager["val_loss"], abs=1e-4)
 
 
+def test_one_process_compiles_the_loss_into_the_training_graph(tmp_path: Path, corpus: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A training step's graph holds the model and its cross-entropy (the float32 cast and log-softmax fuse with
+    the head), not the model alone; evaluation still runs the compiled model."""
+    import qkv.training.compiled as compiled
+    from qkv.training import Hooks
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, inputs: Any) -> Any:  # dynamo's graphs, run as captured
+        graphs.append(gm)
+        return gm.forward
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": record}))
+    assert compiled.torch.compile is not compile_
+    model = {**LMConfig().model, **MODEL, "dropout": 0.0}
+    with one_thread():
+        train(_tiny_config(corpus, tmp_path / "run", 2, model=model, compile=True), verbose=False,
+              hooks=Hooks(evaluate=False))  # fmt: skip
+    assert len(graphs) == 1  # one graph, traced once for both steps
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert any("cross_entropy" in t for t in targets), targets
+    assert any("linear" in t or "matmul" in t for t in targets)  # and the model's layers in the same graph
+
+
 def test_auto_precision_is_float32_on_the_cpu_and_bf16_with_tf32_on_cuda(tmp_path: Path) -> None:
     from helpers import tiny_data, tiny_settings
 

@@ -6,12 +6,20 @@ treats their parameters as inputs. Compiling per layer rather than the whole mod
 wrappers of several processes stay outside the graphs: FSDP gathers each layer's parameters in hooks around
 its call, and DDP's gradient all-reduce runs as each layer's backward finishes, overlapping the backward of
 the layers below it. The rest (embeddings, final norm, output head, loss) runs eagerly.
+
+On one process there is nothing to keep outside, and the task's whole loss is one graph (compiled_loss): the
+model and the cross-entropy together, as nanoGPT computes its loss inside the compiled forward. The loss's
+float32 cast, log-softmax and their gradients then fuse into kernels that read the (B, T, V) logits once,
+instead of eager kernels that each write a full-size float32 copy of them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, cast
+
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from qkv.errors import QkvError
 from qkv.training.recompute import layers_of
@@ -26,3 +34,13 @@ def compile_layers(model: nn.Module, dynamic: bool | None) -> int:
     for layer in layers:
         layer.forward = torch.compile(layer.forward, fullgraph=True, dynamic=dynamic)
     return len(layers)
+
+
+def compiled_loss(loss: Callable[[nn.Module, Any], Tensor], model: nn.Module,
+                  dynamic: bool | None) -> Callable[[Any], Tensor]:  # fmt: skip
+    """`loss(model, batch)` as one compiled graph (fullgraph) of the batch: forward, loss and their backward."""
+
+    def loss_of(batch: Any) -> Tensor:
+        return loss(model, batch)
+
+    return cast(Callable[[Any], Tensor], torch.compile(loss_of, fullgraph=True, dynamic=dynamic))

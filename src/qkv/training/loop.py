@@ -14,6 +14,7 @@ report: qkv.training.task). This loop owns everything else:
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import random
 import time
@@ -50,7 +51,7 @@ from qkv.io.run_dir import (
 from qkv.models import model_type_of
 from qkv.training import distributed, meta_init
 from qkv.training.checkpoint import PendingSave, has_checkpoint, load_checkpoint, save_checkpoint
-from qkv.training.compiled import compile_layers
+from qkv.training.compiled import compile_layers, compiled_loss
 from qkv.training.config import RunConfig
 from qkv.training.optim import apply_settings, group_settings, make_optimizer
 from qkv.training.plots import plot_losses
@@ -168,8 +169,10 @@ class _Trainer:
         self.train_model = distributed.wrap_model(self.model, ctx, cfg.dtype)  # DDP around it, or sharded in place
         if plan is not None:
             meta_init.materialise(self.model, plan, ctx.device)
-        if cfg.compile and not ctx.enabled:  # one process: the whole model is one graph
+        self.loss_of: Callable[[Batch], torch.Tensor] = functools.partial(task.loss, self.train_model)
+        if cfg.compile and not ctx.enabled:  # one process: the model is one graph, and with its loss another
             self.train_model = cast(nn.Module, torch.compile(self.model, fullgraph=True, dynamic=task.dynamic_shapes))
+            self.loss_of = compiled_loss(task.loss, self.model, task.dynamic_shapes)  # training's steps
         self.pending: PendingSave | None = None  # a checkpoint being written in the background
         self.optimizer = make_optimizer(self.model, cfg)  # after wrapping: FSDP replaces the parameters
         self.schedule = LRSchedule(cfg.lr, min(cfg.warmup_steps, cfg.max_steps), cfg.max_steps, cfg.final_lr,
@@ -289,7 +292,7 @@ class _Trainer:
             # Gradients are averaged across ranks once per step, in the last micro-batch's backward.
             with distributed.gradient_sync(self.train_model, i == len(batches) - 1):
                 with autocast_context(ctx.device, cfg.dtype):
-                    loss = self.task.loss(self.train_model, batch)
+                    loss = self.loss_of(batch)
                 # Each micro-batch counts by its share of the step's targets, all ranks together (DDP then
                 # averages over ranks): the mean over every target of the step, however the batch was cut.
                 self.scaler.scale(loss * (batch.n_targets * ctx.world_size / total)).backward()
