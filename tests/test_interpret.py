@@ -195,6 +195,29 @@ def test_patching_finds_the_one_position_that_differs_with_the_documented_sign()
         activation_patching(model, clean, clean, answer, wrong)
 
 
+@pytest.mark.parametrize("over", [{}, {"positions": "rotary", "n_kv_heads": 2, "norm": "rms"}])
+def test_patching_from_the_patched_layer_equals_whole_forward_passes(over: dict[str, object]) -> None:
+    """A decoder LM's patched passes start at the patched layer from the corrupted stream; the maps equal those
+    of whole passes (the plan without its start streams) to float rounding."""
+    from qkv.interpret.patching import plan_patching
+
+    model = _model(**over)
+    clean, corrupted = _ids(b=1, seed=3), _ids(b=1, seed=4)
+    with torch.no_grad():
+        last = model(clean)[0, -1]
+    answer, wrong = int(last.argmax()), int(last.argmin())
+    fast = plan_patching(model, clean, corrupted, answer, wrong)
+    assert len(fast.start) == 3
+    whole = plan_patching(model, clean, corrupted, answer, wrong)
+    whole.start = {}
+    rows = list(zip(fast.rows(), whole.rows(), strict=True))
+    assert len(rows) == 6
+    for (kind, layer, a), (kind_w, layer_w, b) in rows:
+        assert (kind, layer) == (kind_w, layer_w)
+        assert float((a - b).abs().max()) < 1e-5, (kind, layer)
+    assert max(float(a.abs().max()) for (_, _, a), _ in rows) > 0.05  # the maps are not all zero
+
+
 def test_induction_scores_of_known_patterns() -> None:
     ids = torch.tensor([[5, 6, 7, 5, 6, 7]])
     assert induction_targets(ids).tolist() == [[-1, -1, -1, 1, 2, 3]]  # the token after each previous occurrence

@@ -10,13 +10,16 @@ reported normalised:
 
 1 means that activation alone restores the clean answer, 0 that it changes nothing, and a negative value
 that it pushes further towards the corrupted answer. The patches are exact forward passes (not a gradient
-approximation), batched: one forward per layer, one row per position or head.
+approximation), batched: one forward per layer, one row per position or head. In a decoder LM, a patch in
+layer l leaves layers 0..l−1 as the corrupted run computed them, so its forward pass starts at layer l from
+the corrupted run's stream (TransformerLens's start_at_layer): half the layers' work over a whole map.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -62,6 +65,7 @@ class PatchingPlan:
     heads: bool
     clean: float  # the metric on the clean prompt
     corrupted_metric: float  # the metric on the corrupted prompt
+    start: dict[str, Tensor]  # a decoder LM's corrupted streams entering each layer (empty: run whole passes)
 
     @property
     def total(self) -> int:
@@ -74,15 +78,21 @@ class PatchingPlan:
         t = self.corrupted.shape[1]
         for i in range(self.n_layers):
             value = self.acts[f"{self.stack}.layers.{i}.resid_pre"][0]  # (T, d)
-            yield "resid", i, self._effects(f"{self.stack}.layers.{i}.resid_pre", _diagonal(value), t)
+            yield "resid", i, self._effects(i, f"{self.stack}.layers.{i}.resid_pre", _diagonal(value), t)
         for i in range(self.n_layers) if self.heads else ():
             z = self.acts[f"{self.stack}.layers.{i}.attn.z"][0]  # (T, H, d_v)
-            yield "heads", i, self._effects(f"{self.stack}.layers.{i}.attn.z", _per_head(z), self.n_heads)
+            yield "heads", i, self._effects(i, f"{self.stack}.layers.{i}.attn.z", _per_head(z), self.n_heads)
 
-    def _effects(self, name: str, patch: Callable[[Tensor], Tensor], rows: int) -> Tensor:
-        """The normalised effect of each of `rows` patched copies of the corrupted prompt."""
+    def _effects(self, layer: int, name: str, patch: Callable[[Tensor], Tensor], rows: int) -> Tensor:
+        """The normalised effect of each of `rows` copies of the corrupted prompt, patched at `name` in `layer`."""
+        ids = self.corrupted.expand(rows, -1)
         with torch.no_grad(), hooked(self.model, patch={name: patch}):
-            metric = logit_diff(_last_logits(self.model, self.corrupted.expand(rows, -1)), self.answer, self.wrong)
+            if self.start:
+                stream = self.start[f"{self.stack}.layers.{layer}.resid_pre"].expand(rows, -1, -1)  # (rows, T, d)
+                logits = _last_logits_from(cast(DecoderLM, self.model), ids, layer, stream)
+            else:
+                logits = _last_logits(self.model, ids)
+            metric = logit_diff(logits, self.answer, self.wrong)
         return (metric.float().cpu() - self.corrupted_metric) / (self.clean - self.corrupted_metric)
 
 
@@ -99,13 +109,15 @@ def plan_patching(model: nn.Module, clean: Tensor, corrupted: Tensor, answer: in
     model.eval()
     with torch.no_grad():
         clean_logits, acts = run_with_cache(model, clean, names=names)
-        base = float(logit_diff(_last_logits(model, corrupted), answer, wrong)[0])
+        starts = [name for name in names if name.endswith("resid_pre")] if isinstance(model, DecoderLM) else []
+        corrupted_logits, start = run_with_cache(model, corrupted, names=starts)
+        base = float(logit_diff(corrupted_logits, answer, wrong)[0])
         top = float(logit_diff(clean_logits, answer, wrong)[0])
     if abs(top - base) < 1e-6:
         raise QkvError("the clean and corrupted prompts give the same logit difference, so no patch can restore "
                        "anything: pick prompts (or tokens) that the model answers differently")  # fmt: skip
     n_heads = acts[f"{stack}.layers.0.attn.z"].shape[2]
-    return PatchingPlan(model, corrupted, answer, wrong, acts, stack, n, n_heads, heads, top, base)
+    return PatchingPlan(model, corrupted, answer, wrong, acts, stack, n, n_heads, heads, top, base, start)
 
 
 def activation_patching(model: nn.Module, clean: Tensor, corrupted: Tensor, answer: int, wrong: int,
@@ -127,6 +139,16 @@ def _last_logits(model: nn.Module, ids: Tensor) -> Tensor:
     if isinstance(model, DecoderLM):
         return model.lm_head(model.hidden(ids)[:, -1:])
     return model(ids)[:, -1:]
+
+
+def _last_logits_from(model: DecoderLM, ids: Tensor, layer: int, stream: Tensor) -> Tensor:
+    """(B, 1, vocab) logits at the last position of `ids`, computed from `stream` (B, T, d) entering `layer` on."""
+    _, rope = model.embed(ids)  # the rotary tables of ids' positions (the embeddings themselves are not needed)
+    x = stream
+    for block in model.decoder.layers[layer:]:
+        x = block(x, rope=rope)  # (B, T, d): causal self-attention, as in a whole pass
+    x = x[:, -1:]
+    return model.lm_head(model.decoder.norm(x) if model.decoder.norm is not None else x)
 
 
 def _diagonal(clean: Tensor) -> Callable[[Tensor], Tensor]:
