@@ -565,6 +565,41 @@ def test_one_process_compiles_the_loss_into_the_training_graph(tmp_path: Path, c
     assert any("linear" in t or "matmul" in t for t in targets)  # and the model's layers in the same graph
 
 
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_compile_covers_the_criterion_on_one_process_and_with_several(
+    per_layer: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """step_loss: one process compiles model and criterion as one graph; with several (the layers compiled one by
+    one elsewhere) the criterion is a graph of its own. Both give eager's loss and gradients."""
+    from qkv.lab.induction import InductionConfig, InductionTask
+    from qkv.training.compiled import step_loss
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": record}))
+    task = InductionTask(InductionConfig(model={"n_layers": 1, "d_model": 32, "n_heads": 2}, length=12, min_length=4,
+                                         vocab=20))  # fmt: skip
+    torch.manual_seed(0)
+    model = task.build_model()
+    batch = task.collate(task.draw(torch.Generator().manual_seed(1), 4, 1), torch.device("cpu"))
+    eager = task.loss(model, batch)
+    eager_grads = torch.autograd.grad(eager, list(model.parameters()))
+    torch._dynamo.reset()
+    compiled = step_loss(task, model, model, True, per_layer=per_layer)(batch)
+    grads = torch.autograd.grad(compiled, list(model.parameters()))
+    assert float(compiled) == pytest.approx(float(eager), abs=1e-6)
+    assert max(float((a - b).abs().max()) for a, b in zip(grads, eager_grads, strict=True)) < 1e-6
+    assert len(graphs) == 1
+    targets = " ".join(str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function")
+    assert "cross_entropy" in targets
+    assert ("linear" in targets) is not per_layer  # the model is in the graph on one process only
+
+
 def test_auto_precision_is_float32_on_the_cpu_and_bf16_with_tf32_on_cuda(tmp_path: Path) -> None:
     from helpers import tiny_data, tiny_settings
 

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
 import torch
@@ -153,9 +153,12 @@ class InductionTask(Task):
         """Inputs and next tokens."""
         return LMBatch(examples[:, :-1].to(device), examples[:, 1:].to(device))
 
-    def loss(self, model: Callable[..., Any], batch: LMBatch) -> Tensor:
+    def logits(self, model: Callable[..., Any], batch: LMBatch) -> Tensor:
+        """Next-token logits (B, T, V)."""
+        return cast(Tensor, model(batch.x))
+
+    def criterion(self, logits: Tensor, batch: LMBatch) -> Tensor:
         """Mean next-token cross-entropy over every position."""
-        logits = model(batch.x)  # (B, T, V)
         return F.cross_entropy(logits.flatten(0, 1).float(), batch.y.flatten())
 
     def evaluate(self, ev: Evaluation) -> dict[str, float]:

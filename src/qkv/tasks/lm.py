@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -282,9 +282,12 @@ class LMTask(Task):
         x, y = self.train.windows(examples, self.cfg.block_size)
         return LMBatch(to_device(x, device), to_device(y, device))
 
-    def loss(self, model: Callable[..., Any], batch: LMBatch) -> Tensor:
+    def logits(self, model: Callable[..., Any], batch: LMBatch) -> Tensor:
+        """Next-token logits (B, T, V)."""
+        return cast(Tensor, model(batch.x))
+
+    def criterion(self, logits: Tensor, batch: LMBatch) -> Tensor:
         """Mean next-token cross-entropy (computed in float32 whatever the autocast dtype)."""
-        logits = model(batch.x)  # (B, T, V)
         return F.cross_entropy(logits.flatten(0, 1).float(), batch.y.flatten())
 
     def evaluate(self, ev: Evaluation) -> dict[str, float]:

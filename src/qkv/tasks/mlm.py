@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -199,9 +199,12 @@ class MLMTask(Task):
         masked = mask_tokens(ids, examples.order, examples.choice, examples.random_ids, n, self.mask_id)
         return MaskedBatch(*masked).to(device)
 
-    def loss(self, model: Callable[..., Any], batch: MaskedBatch) -> Tensor:
+    def logits(self, model: Callable[..., Any], batch: MaskedBatch) -> Tensor:
+        """The logits (B, k, V) of the selected positions."""
+        return cast(Tensor, model(batch.inputs, mlm_positions=batch.positions).logits)
+
+    def criterion(self, logits: Tensor, batch: MaskedBatch) -> Tensor:
         """Cross-entropy of the selected positions."""
-        logits = model(batch.inputs, mlm_positions=batch.positions).logits  # (B, k, V)
         return F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten())
 
     def evaluate(self, ev: Evaluation) -> dict[str, float]:

@@ -21,7 +21,7 @@ from qkv.tasks.base import EvalOptions, LoadedRun
 from qkv.training import Evaluation, RunConfig, Task, TrainResult, option
 from qkv.translation.batching import Seq2SeqBatch, Specials, make_batch, source_tensor
 from qkv.translation.decoding import greedy_decode
-from qkv.translation.step import batch_loss, evaluate_batches
+from qkv.translation.step import batch_logits, evaluate_batches, label_smoothed_loss
 
 SPECIALS = Specials(pad=0, bos=1, eos=2)
 FIRST_DIGIT = 3  # digit d is token FIRST_DIGIT + d
@@ -130,9 +130,13 @@ class ToyTask(Task):
         """Source, and the target (the same or reversed) for teacher forcing."""
         return make_batch(examples, [self.target_of(s) for s in examples], SPECIALS).to(device)
 
-    def loss(self, model: Callable[..., Any], batch: Seq2SeqBatch) -> Tensor:
+    def logits(self, model: Callable[..., Any], batch: Seq2SeqBatch) -> Tensor:
+        """Teacher-forced logits (B, T, V) of the target."""
+        return batch_logits(model, batch)
+
+    def criterion(self, logits: Tensor, batch: Seq2SeqBatch) -> Tensor:
         """Cross-entropy per target token."""
-        return batch_loss(model, batch, smoothing=0.0)
+        return label_smoothed_loss(logits, batch.tgt_out, batch.pad, smoothing=0.0)
 
     def evaluate(self, ev: Evaluation) -> dict[str, float]:
         """Teacher-forced loss and greedy exact match on the held-out sequences."""

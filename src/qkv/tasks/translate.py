@@ -33,7 +33,7 @@ from qkv.translation.corpus import Splits, combine, split_de_en, split_pairs_fil
 from qkv.translation.decoding import COVERAGE_PENALTY, LENGTH_PENALTY, check_penalties, greedy_decode
 from qkv.translation.metrics import corpus_bleu, corpus_chrf, paired_bootstrap_bleu
 from qkv.translation.run import Translator, rescored, specials_of, train_tokenizer
-from qkv.translation.step import batch_loss, evaluate_batches
+from qkv.translation.step import batch_logits, evaluate_batches, label_smoothed_loss
 
 DEFAULT_VOCAB = 4000
 CORPORA = ("ding", "bible", "ding+bible")  # the embedded German–English corpora (qkv/data/DE_EN.md, BIBLE.md)
@@ -236,9 +236,13 @@ class TranslateTask(Task):
         pairs = [self.pairs[i] for i in examples]
         return make_batch([s for s, _ in pairs], [t for _, t in pairs], self.specials).to(device)
 
-    def loss(self, model: Callable[..., Any], batch: Seq2SeqBatch) -> Tensor:
+    def logits(self, model: Callable[..., Any], batch: Seq2SeqBatch) -> Tensor:
+        """Teacher-forced logits (B, T, V) of the target."""
+        return batch_logits(model, batch)
+
+    def criterion(self, logits: Tensor, batch: Seq2SeqBatch) -> Tensor:
         """Label-smoothed cross-entropy per target token."""
-        return batch_loss(model, batch, self.cfg.label_smoothing)
+        return label_smoothed_loss(logits, batch.tgt_out, batch.pad, self.cfg.label_smoothing)
 
     def translator(self, model: Transformer) -> Translator:
         """Text in, text out, with the run's beam settings."""

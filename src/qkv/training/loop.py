@@ -14,7 +14,6 @@ report: qkv.training.task). This loop owns everything else:
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import random
 import time
@@ -51,7 +50,7 @@ from qkv.io.run_dir import (
 from qkv.models import model_type_of
 from qkv.training import distributed, meta_init
 from qkv.training.checkpoint import PendingSave, has_checkpoint, load_checkpoint, save_checkpoint
-from qkv.training.compiled import compile_layers, compiled_loss
+from qkv.training.compiled import compile_layers, step_loss
 from qkv.training.config import RunConfig
 from qkv.training.optim import apply_settings, group_settings, make_optimizer
 from qkv.training.plots import plot_losses
@@ -169,10 +168,9 @@ class _Trainer:
         self.train_model = distributed.wrap_model(self.model, ctx, cfg.dtype)  # DDP around it, or sharded in place
         if plan is not None:
             meta_init.materialise(self.model, plan, ctx.device)
-        self.loss_of: Callable[[Batch], torch.Tensor] = functools.partial(task.loss, self.train_model)
-        if cfg.compile and not ctx.enabled:  # one process: the model is one graph, and with its loss another
+        self.loss_of = step_loss(task, self.model, self.train_model, cfg.compile, per_layer=ctx.enabled)
+        if cfg.compile and not ctx.enabled:  # evaluation's graph of the model (training's holds the loss too)
             self.train_model = cast(nn.Module, torch.compile(self.model, fullgraph=True, dynamic=task.dynamic_shapes))
-            self.loss_of = compiled_loss(task.loss, self.model, task.dynamic_shapes)  # training's steps
         self.pending: PendingSave | None = None  # a checkpoint being written in the background
         self.optimizer = make_optimizer(self.model, cfg)  # after wrapping: FSDP replaces the parameters
         self.schedule = LRSchedule(cfg.lr, min(cfg.warmup_steps, cfg.max_steps), cfg.max_steps, cfg.final_lr,

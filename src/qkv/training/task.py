@@ -141,8 +141,20 @@ class Task(ABC):
         """The tensors of one micro-batch of examples, on device: a Batch."""
 
     @abstractmethod
+    def logits(self, model: Callable[..., Any], batch: Any) -> Tensor:
+        """What the model predicts for the batch's targets, e.g. (B, T, V) logits: the input of criterion."""
+
+    @abstractmethod
+    def criterion(self, logits: Tensor, batch: Any) -> Tensor:
+        """The mean loss of `logits` over the batch's n_targets positions."""
+
     def loss(self, model: Callable[..., Any], batch: Any) -> Tensor:
-        """The mean loss over the batch's n_targets positions (the loop weights micro-batches by them)."""
+        """The mean loss over the batch's n_targets positions (the loop weights micro-batches by them).
+
+        It is two methods so that --compile can compile the criterion on its own where the model is compiled per
+        layer (several processes: qkv.training.compiled).
+        """
+        return self.criterion(self.logits(model, batch), batch)
 
     @abstractmethod
     def evaluate(self, ev: Evaluation) -> dict[str, float]:

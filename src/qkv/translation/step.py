@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -21,10 +21,14 @@ def label_smoothed_loss(logits: Tensor, target: Tensor, pad: int, smoothing: flo
     return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=pad, label_smoothing=smoothing)
 
 
+def batch_logits(model: Callable[..., Any], batch: Seq2SeqBatch) -> Tensor:
+    """Teacher-forced logits (B, T, V) of a batch, with padding masked on both sides."""
+    return cast(Tensor, model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask))
+
+
 def batch_loss(model: Callable[..., Any], batch: Seq2SeqBatch, smoothing: float) -> Tensor:
     """Teacher-forced, label-smoothed loss of a batch, with padding masked on both sides."""
-    logits = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)  # (B, T, V)
-    return label_smoothed_loss(logits, batch.tgt_out, batch.pad, smoothing)
+    return label_smoothed_loss(batch_logits(model, batch), batch.tgt_out, batch.pad, smoothing)
 
 
 @torch.no_grad()
