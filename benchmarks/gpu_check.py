@@ -8,7 +8,7 @@ whole script can be tested without a GPU (tests/test_cuda.py does).
     python benchmarks/gpu_check.py throughput     # GPT-2 124M's shape, bf16, torch.compile, qkv's training loop
     python benchmarks/gpu_check.py attention      # flash attention at T = 8,192 and 32,768: time, memory
     python benchmarks/gpu_check.py decode         # greedy decode tok/s against transformers
-    python benchmarks/gpu_check.py fsdp           # 3 FSDP steps on a process group of one
+    python benchmarks/gpu_check.py fsdp           # 3 FSDP steps on a process group of one, eager and compiled
 """
 
 from __future__ import annotations
@@ -191,7 +191,9 @@ def forced_group(store: Path) -> Any:
 
 
 def fsdp(dry: bool) -> int:
-    """3 steps with --strategy fsdp on a forced group of one: FSDP2 wraps, trains, checkpoints; equal to 1 process.
+    """3 steps with --strategy fsdp on a forced group of one: FSDP2 wraps a model built on the meta device, trains
+    and checkpoints, equal to 1 process; then the same run with --compile (per-layer graphs, the criterion's
+    graph) equal to the eager one. The dry run leaves out the compiled run (inductor's C++ build takes minutes).
 
     torchrun --nproc_per_node 1 would not do: with WORLD_SIZE 1 the loop takes its one-process path and never
     shards. Here the loop's process_group is swapped for one that joins a real (nccl) group of one rank.
@@ -200,32 +202,56 @@ def fsdp(dry: bool) -> int:
 
     from qkv.tasks import load, train
     from qkv.tasks.lm import LMConfig
-    from qkv.training import Hooks
+    from qkv.training import meta_init
 
     device = "cpu" if dry else "cuda"
     model = {**LMConfig().model, "n_layers": 2, "d_model": 64, "n_heads": 4, "dropout": 0.0}
     settings: dict[str, Any] = {"model": model, "block_size": 64, "batch_size": 8, "max_steps": 3,
                                 "eval_interval": 3, "eval_tokens": 1024, "final_eval_tokens": 1024,
                                 "sample_tokens": 0, "warmup_steps": 1, "device": device}  # fmt: skip
+    wrapped: list[torch.nn.Module] = []
+    materialised: list[torch.device] = []
+
+    def wrap_model(model: torch.nn.Module, ctx: DistContext, dtype: str = "float32") -> torch.nn.Module:
+        wrapped.append(real_wrap(model, ctx, dtype))
+        return wrapped[-1]
+
+    def materialise(model: torch.nn.Module, plan: Any, device: torch.device) -> None:
+        materialised.append(device)
+        real_materialise(model, plan, device)
+
+    real_wrap, real_materialise = distributed.wrap_model, meta_init.materialise
     with tempfile.TemporaryDirectory() as tmp:
         single = train(LMConfig(**settings, out_dir=f"{tmp}/single"), verbose=False)
-        models: list[torch.nn.Module] = []
-        with mock.patch.object(distributed, "process_group", forced_group(Path(tmp) / "store")):
-            sharded = train(LMConfig(**settings, strategy="fsdp", out_dir=f"{tmp}/fsdp"),
-                            hooks=Hooks(on_model=models.append))  # fmt: skip
-        wrapped = isinstance(models[0], FSDPModule)  # fully_shard swaps the class of the module in place
-        losses = [(r["train_loss"], r["val_loss"]) for r in (single.metrics[-1], sharded.metrics[-1])]
+        runs = {}
+        with mock.patch.object(distributed, "process_group", forced_group(Path(tmp) / "store")), \
+                mock.patch.object(distributed, "wrap_model", wrap_model), \
+                mock.patch.object(meta_init, "materialise", materialise):  # fmt: skip
+            for mode in ("eager",) if dry else ("eager", "compiled"):
+                runs[mode] = train(LMConfig(**settings, strategy="fsdp", compile=mode == "compiled",
+                                            out_dir=f"{tmp}/{mode}"), verbose=False)  # fmt: skip
+        sharded = all(isinstance(m, FSDPModule) for m in wrapped)  # fully_shard swaps the class in place
+        losses = [(r["train_loss"], r["val_loss"]) for r in (single.metrics[-1], runs["eager"].metrics[-1])]
         diff = max(abs(a - b) for a, b in zip(*losses, strict=True))
-        loaded = load(f"{tmp}/fsdp", checkpoint="last", device=device)
+        compiled = runs.get("compiled")
+        c_diff = 0.0 if compiled is None else max(
+            abs(a[k] - b[k]) for a, b in zip(compiled.metrics, runs["eager"].metrics, strict=True)
+            for k in ("train_loss", "val_loss")
+        )  # fmt: skip
+        loaded = load(f"{tmp}/eager", checkpoint="last", device=device)
         reference = load(f"{tmp}/single", checkpoint="last", device=device)
         weights = reference.model.state_dict()
         w_diff = max((v - weights[k]).abs().max().item() for k, v in loaded.model.state_dict().items())
         text = loaded.generate("ROMEO:", max_new_tokens=8, seed=0)
     backend = "gloo" if dry else "nccl"
-    figure(f"3 steps, FSDP2 {'wrapped' if wrapped else 'NOT wrapped'} on 1 rank ({backend}, {device}): val loss "
-           f"{losses[1][1]:.4f}, max Δloss vs 1 process {diff:.1e}, max Δweight {w_diff:.1e}, checkpoint loads and "
-           f"samples {len(text)} chars")  # fmt: skip
-    return 0 if wrapped and diff < 1e-3 and w_diff < 1e-3 and len(text) == 8 else 1
+    on_meta = len(materialised) == len(runs) and all(d.type == device for d in materialised)
+    compiled_text = "" if compiled is None else f"; --compile vs eager max Δloss {c_diff:.1e}"
+    figure(f"3 steps, FSDP2 {'wrapped' if sharded else 'NOT wrapped'} on 1 rank ({backend}, {device}), "
+           f"{'built on meta' if on_meta else 'NOT built on meta'}: val loss {losses[1][1]:.4f}, max Δloss vs "
+           f"1 process {diff:.1e}, max Δweight {w_diff:.1e}, checkpoint loads and samples {len(text)} chars"
+           f"{compiled_text}")  # fmt: skip
+    ok = sharded and len(wrapped) == len(runs) and on_meta and c_diff < 2e-3
+    return 0 if ok and diff < 1e-3 and w_diff < 1e-3 and len(text) == 8 else 1
 
 
 STAGES = {"env": env, "tests": tests, "throughput": throughput, "attention": attention, "decode": decode,

@@ -8,7 +8,8 @@
 # Stages (benchmarks/gpu_check.py STAGE), each under its own timeout: env (torch, CUDA, the device, its bf16
 # matmul peak), tests (pytest -m cuda tests/test_cuda.py), throughput (GPT-2 124M's shape, bf16, torch.compile,
 # MFU), attention (flash attention at T = 8,192 and 32,768: time, memory, their ratio), decode (tok/s against
-# transformers) and fsdp (3 FSDP2 steps on a process group of one). The output also goes to $OUT/gpu_check.log
+# transformers) and fsdp (3 FSDP2 steps on a process group of one, built on the meta device, eager and then
+# compiled). The output also goes to $OUT/gpu_check.log
 # (a temporary directory's without $OUT). PYTHON picks the interpreter (default: .venv/bin/python, else python3).
 # GPU_CHECK_BUDGET (seconds, default 300) caps the whole run: a stage gets at most what is left of it, one that
 # would start with under 10 s left is skipped, and the table is always printed.
