@@ -2,8 +2,9 @@
 
 The loop (qkv.training.loop) owns the optimiser, schedule, accumulation, precision, compile,
 processes, time budget, evaluation cadence, checkpoints and logs. A task supplies only:
-its data (and tokenizer), its model, its batches, its loss, its evaluation, which evaluation
-keeps the best weights, and what to show at the end. The tasks are in qkv.tasks.
+its data (and tokenizer), its model, its batches, its loss (the model's logits for a batch, and the
+criterion that scores them), its evaluation, which evaluation keeps the best weights, and what to show at
+the end. The tasks are in qkv.tasks.
 """
 
 from __future__ import annotations
