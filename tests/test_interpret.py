@@ -233,6 +233,27 @@ def test_induction_scores_of_known_patterns() -> None:
     assert induction.shape == previous.shape == (3, 4) and float(induction.max()) <= 1.0
 
 
+def test_attention_breakdown_of_uniform_causal_attention_counts_each_position_once() -> None:
+    """ids [7 1 2 3 1 2 3], uniform causal attention: queries 4, 5, 6 see 5, 6, 7 positions, each counted in one
+    place (target first, then the previous occurrence, itself, position 0, target − 2/+1/+2, elsewhere)."""
+    from qkv.interpret import attention_breakdown
+
+    ids = torch.tensor([[7, 1, 2, 3, 1, 2, 3]])
+    pattern = torch.tril(torch.ones(7, 7))
+    pattern = (pattern / pattern.sum(-1, keepdim=True)).expand(1, 2, 7, 7)  # (B, H, T, T)
+    parts = attention_breakdown(pattern, ids)
+    mean = lambda *shares: sum(shares) / 3  # noqa: E731  (queries 4, 5, 6)
+    expected = {"target": mean(1 / 5, 1 / 6, 1 / 7), "previous occurrence": mean(1 / 5, 1 / 6, 1 / 7),
+                "itself": mean(1 / 5, 1 / 6, 1 / 7), "first position": mean(1 / 5, 1 / 6, 1 / 7),
+                "near target": mean(1 / 5, 2 / 6, 2 / 7), "elsewhere": mean(0, 0, 1 / 7),
+                "largest elsewhere": mean(0, 0, 1 / 7)}  # fmt: skip
+    for name, value in expected.items():
+        assert torch.allclose(parts[name], torch.full((2,), value)), name
+    total = sum(parts[name] for name in expected if name != "largest elsewhere")
+    assert torch.allclose(total, torch.ones(2))
+    assert torch.allclose(parts["target"], induction_scores(pattern, ids))
+
+
 def test_the_lens_reads_encoder_decoders_and_masked_lm_encoders_too() -> None:
     """Its last row is the model's own output: an encoder–decoder's decoder (given the source), and a BERT-style
     encoder through its masked-LM head (post-norm, no final norm: the note says what is used instead)."""

@@ -89,8 +89,14 @@ def test_induction_heads_form_in_layer_1_only(result: InductionResult) -> None:
     assert step is not None and 80 <= step <= 480, step
     # The previous-token head the induction head reads from is in layer 0.
     assert result.previous_scores[0].max() > max(0.3, result.previous_scores[1].max()), result.previous_scores
+    # Where the top head attends: the places add up to 1, the target share is its induction score.
+    parts = result.breakdown
+    assert abs(sum(v for k, v in parts.items() if k != "largest elsewhere") - 1) < 1e-5, parts
+    assert abs(parts["target"] - result.induction_scores.max()) < 1e-5, parts
+    assert parts["largest elsewhere"] <= parts["elsewhere"], parts
     text = result.table()
     assert "induction heads (score ≥ 0.5): L1." in text and "SmolLM2-135M-Instruct" in text
+    assert "attention from repeated tokens goes: target" in text
 
 
 @pytest.mark.slow

@@ -46,6 +46,36 @@ def induction_scores(pattern: Tensor, ids: Tensor) -> Tensor:
     return picked.float().mean(dim=0)
 
 
+# Where attention from a repeated token can go, in the order a key position is counted when it fits several.
+PLACES = ("target", "previous occurrence", "itself", "first position", "near target", "elsewhere")
+
+
+def attention_breakdown(pattern: Tensor, ids: Tensor) -> dict[str, Tensor]:
+    """Per head (H,): where the attention from each repeated token goes, averaged; the places add up to 1.
+
+    target: the token after the token's previous occurrence (the induction score); previous occurrence: that
+    occurrence itself (target − 1); itself: the query's own position; first position: position 0; near target:
+    target − 2, + 1 and + 2; elsewhere: everything else, and "largest elsewhere" is the mean of its largest single
+    weight (one other position, or many small ones). pattern: (B, H, T, T), ids: (B, T).
+    """
+    targets = induction_targets(ids)  # (B, T)
+    rows, cols = (targets >= 0).nonzero(as_tuple=True)
+    n, t = rows.numel(), ids.shape[1]
+    if n == 0:
+        return {name: torch.zeros(pattern.shape[1]) for name in (*PLACES, "largest elsewhere")}
+    weights = pattern[rows, :, cols].float()  # (N, H, T): each repeated token's attention row
+    place = torch.full((n, t), len(PLACES) - 1, dtype=torch.long)  # (N, T), "elsewhere" unless claimed below
+    target = targets[rows, cols]
+    claims = [(0, target), (1, target - 1), (2, cols), (3, torch.zeros_like(cols)),
+              *((4, target + d) for d in (-2, 1, 2))]  # fmt: skip
+    for index, keys in reversed(claims):  # the earliest claim is written last, so it wins
+        ok = (keys >= 0) & (keys <= cols)
+        place[ok.nonzero(as_tuple=True)[0], keys[ok]] = index
+    out = {name: (weights * (place == i)[:, None]).sum(-1).mean(0) for i, name in enumerate(PLACES)}
+    out["largest elsewhere"] = (weights * (place == len(PLACES) - 1)[:, None]).amax(-1).mean(0)
+    return out
+
+
 def previous_token_scores(pattern: Tensor) -> Tensor:
     """Per head (H,): the mean attention from each token (after the first) to the token just before it."""
     return pattern.diagonal(offset=-1, dim1=-2, dim2=-1).float().mean(dim=(0, 2))

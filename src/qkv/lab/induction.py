@@ -33,7 +33,8 @@ from torch import Tensor
 from qkv.config import DecoderLMConfig
 from qkv.errors import QkvError
 from qkv.extras import package_file
-from qkv.interpret.induction import head_scores, repeated_tokens
+from qkv.interpret.hooks import run_with_cache
+from qkv.interpret.induction import attention_breakdown, head_scores, repeated_tokens
 from qkv.lab.plotting import COLORS, Margins, Section, format_table, heatmap, label, new_figure, save
 from qkv.models import DecoderLM
 from qkv.tasks.lm import LMBatch
@@ -259,6 +260,7 @@ class InductionResult:
     seconds: float  # training wall-clock, evaluations included
     smollm2: SmolLM2Heads | None = None
     model: DecoderLM | None = field(default=None, repr=False, compare=False)  # the trained model, to look inside
+    breakdown: dict[str, float] = field(default_factory=dict)  # where the top induction head attends (PLACES)
 
     @property
     def induction_heads(self) -> list[tuple[int, int, float]]:
@@ -302,6 +304,11 @@ class InductionResult:
             f"repeated half ≤ 0.5 × first half: {change}; at the end {float(self.repeated_half[-1]):.3f} vs "
             f"{float(self.first_half[-1]):.3f} ({float(self.repeated_half[-1] / self.first_half[-1]):.3f}×)"
         )
+        if self.breakdown:
+            layer, head = np.unravel_index(int(self.induction_scores.argmax()), self.induction_scores.shape)
+            places = ", ".join(f"{k} {v:.2f}" for k, v in self.breakdown.items() if k != "largest elsewhere")
+            named += (f"\nwhere L{layer}.H{head}'s attention from repeated tokens goes: {places} (its largest "
+                      f"single weight elsewhere: {self.breakdown['largest elsewhere']:.2f} on average)")  # fmt: skip
         parts = [curves, grids, named] + ([self.smollm2.table()] if self.smollm2 is not None else [])
         return "\n\n".join(parts)
 
@@ -328,6 +335,10 @@ def induction(length: int = 25, min_length: int = 10, vocab: int = 128, steps: i
     task, network = trained.trained, models[0]
     assert isinstance(task, InductionTask) and isinstance(network, DecoderLM)
     induction_scores, previous_scores = (s.cpu().numpy() for s in head_scores(network, task.eval_ids))  # (L, H) each
+    layer, head = np.unravel_index(int(induction_scores.argmax()), induction_scores.shape)
+    name = f"decoder.layers.{layer}.attn.pattern"
+    parts = attention_breakdown(run_with_cache(network, task.eval_ids, names=name)[1][name], task.eval_ids)
+    breakdown = {k: float(v[head]) for k, v in parts.items()}
     rows = trained.metrics
     curve = {key: np.array([row[key] for row in rows], dtype=np.float64) for key in
              ("train_loss", "val_first_half", "val_repeated_half", "val_induction", "val_previous")}  # fmt: skip
@@ -335,7 +346,7 @@ def induction(length: int = 25, min_length: int = 10, vocab: int = 128, steps: i
     return InductionResult(np.array([row["step"] for row in rows]), curve["train_loss"], curve["val_first_half"],
                            curve["val_repeated_half"], curve["val_induction"], curve["val_previous"],
                            induction_scores, previous_scores, length, min_length, vocab, batch_size, dict(cfg.model),
-                           trained.elapsed_s, reference, network)  # fmt: skip
+                           trained.elapsed_s, reference, network, breakdown)  # fmt: skip
 
 
 def _grid(ax: Any, scores: np.ndarray, title: str, annotate: bool) -> None:
