@@ -161,7 +161,7 @@ def run(seq_lens: list[int], paths: list[str], device: str, repeats: int, thread
         for path in paths:
             size = ref_weights_mib(t, dtype)
             if path == "reference" and size > ref_cap_mib:
-                results[path][t] = {"skipped": f"T×T weights {size:,.0f} MiB > cap {ref_cap_mib:g}"}
+                results[path][t] = {"skipped": f"T×T weights {size:,.0f} MiB > cap {ref_cap_mib:g} MiB"}
                 continue
             results[path][t] = run_case(path, t, device, repeats, threads, dtype, kernel)
     for row in results.values():

@@ -72,8 +72,21 @@ def env(dry: bool) -> int:
     return 0
 
 
+def _missing(*modules: str) -> str | None:
+    """A one-line figure naming the first module not installed (the dev set-up installs them), or None."""
+    import importlib.util
+
+    for module in modules:
+        if importlib.util.find_spec(module) is None:
+            return f"needs {module}, which this Python lacks: run `bash scripts/setup.sh --dev` (or set PYTHON)"
+    return None
+
+
 def tests(dry: bool) -> int:
     """The CUDA-marked tests; on a GPU none may skip."""
+    if (missing := _missing("pytest")) is not None:
+        figure(missing)
+        return 1
     command = [sys.executable, "-m", "pytest", "-m", "cuda", "-v", "-p", "no:cacheprovider", "tests/test_cuda.py"]
     lines = []
     with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as done:
@@ -143,6 +156,9 @@ def attention(dry: bool) -> int:
 
 def decode(dry: bool) -> int:
     """Greedy decoding of GPT-2 small's shape: qkv (cache) against transformers, fp32 and bf16, batch 1."""
+    if (missing := _missing("transformers")) is not None:
+        figure(missing)
+        return 1
     shape = ["--n-layers", "1", "--d-model", "64", "--n-heads", "2", "--vocab-size", "512", "--threads", "1",
              "--device", "cpu"] if dry else ["--device", "cuda"]  # fmt: skip
     new = "8" if dry else "64"

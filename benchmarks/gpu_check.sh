@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # qkv's GPU check: every CUDA path once, on one GPU, in about 4 minutes, then one summary table.
 #
+# It needs the dev set-up (`bash scripts/setup.sh --dev`: pytest for the tests, transformers for decode).
+#
 #   bash benchmarks/gpu_check.sh               # on a machine with a CUDA GPU (qkv from ./src, not installed)
 #   bash benchmarks/gpu_check.sh --dry-run     # every stage with tiny sizes on the CPU (tests/test_cuda.py runs it)
 #   bash benchmarks/gpu_check.sh decode fsdp   # only these stages

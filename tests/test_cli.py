@@ -22,6 +22,7 @@ from helpers import run_main
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import qkv
 import qkv.generation
 from qkv.cli import main
 from qkv.cli.runs import TextStream
@@ -160,6 +161,14 @@ TRAIN_ERRORS: list[tuple[str, list[str], str]] = [
 
 def _fill(template: str, paths: dict[str, Path]) -> str:
     return template.format(**{k: str(v) for k, v in paths.items()})
+
+
+def test_version_names_qkv_and_torch(capsys: pytest.CaptureFixture[str]) -> None:
+    """`qkv --version` prints qkv's and torch's versions and exits 0."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"qkv {qkv.__version__} (torch {torch.__version__})"
 
 
 @pytest.mark.parametrize(("case", "argv", "message"), TRAIN_ERRORS, ids=[c[0] for c in TRAIN_ERRORS])

@@ -70,8 +70,9 @@ def test_heads_and_attribution_print_the_apis_numbers(run: Path, capsys: pytest.
 ])  # fmt: skip
 def test_bad_input_is_one_line_and_exit_code_2(run: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
                                                message: str) -> None:  # fmt: skip
-    code, _, err = _call(capsys, *(a.format(run=run) for a in argv))
+    code, out, err = _call(capsys, *(a.format(run=run) for a in argv))
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert out == "", out  # nothing printed before the error
 
 
 def test_hooks_lists_every_name_and_prints_one_pattern(run: Path, capsys: pytest.CaptureFixture[str]) -> None:

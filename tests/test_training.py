@@ -190,13 +190,15 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_run(
     assert all(0 < r["train_s"] < r["elapsed_s"] for r in raw)
 
 
-def test_resuming_a_finished_run_takes_no_steps(tmp_path: Path, corpus: Path, reference: _References) -> None:
-    """`resume` on a run that already reached max_steps does nothing and leaves its files untouched."""
+def test_resuming_a_finished_run_takes_no_steps(tmp_path: Path, corpus: Path, reference: _References,
+                                                capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """`resume` on a run that already reached max_steps does nothing, says so, and leaves its files untouched."""
     run = tmp_path / "done"
     shutil.copytree(reference(40), run)
     before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
     with one_thread():
-        result = train(_tiny_config(corpus, run, 40, resume=True), verbose=False)
+        result = train(_tiny_config(corpus, run, 40, resume=True), verbose=True)
+    assert "already at step 40 of --max-steps 40: nothing to train" in capsys.readouterr().err
     assert result.step == 40
     assert not result.interrupted
     assert [{k: m[k] for k in COMPARED} for m in result.metrics] == _rows(run)

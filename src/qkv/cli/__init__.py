@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+import qkv
 from qkv.cli import bench, chat, convert, explore, interpret, lab, prepare, runs, train
 from qkv.cli.common import Parser, key_value
 from qkv.errors import QkvError
@@ -19,9 +20,20 @@ from qkv.errors import QkvError
 __all__ = ["build_parser", "key_value", "main"]
 
 
+def torch_version() -> str:
+    """The installed torch's version, read without importing torch (it takes seconds)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full `qkv` argument parser (`qkv train`'s options are built per task when it runs)."""
     parser = Parser(prog="qkv", description="qkv — the Transformer, complete.")
+    parser.add_argument("--version", action="version", version=f"qkv {qkv.__version__} (torch {torch_version()})")
     sub = parser.add_subparsers(dest="command", parser_class=Parser)
     commands = (train, prepare, runs, chat, convert, lab, interpret, explore, bench)
     for command in commands:

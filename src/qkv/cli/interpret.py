@@ -26,8 +26,8 @@ def register(sub: Any) -> None:
         p: argparse.ArgumentParser = views.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(handler=handler)
         p.add_argument("run_dir", metavar="RUN", help="a run directory (`qkv train`) or a `qkv convert` directory")
-        p.add_argument("--checkpoint", default="best", choices=("best", "last"))
-        p.add_argument("--device", default="cpu")
+        p.add_argument("--checkpoint", default="best", choices=("best", "last"), help="which weights of a run")
+        p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
         return p
 
     p = view("lens", "the logit lens: each layer's top next token at each position", cmd_lens)
@@ -209,13 +209,13 @@ def cmd_hooks(args: argparse.Namespace) -> int:
     name = check_name(hook_sites(run.model), args.hook)[0]
     _, acts = run_with_cache(run.model, _ids(run, args.prompt, "--prompt"), names=name)
     value = acts[name][0]
-    print(f"{name}: shape {tuple(acts[name].shape)}")
-    if name.endswith(".pattern"):
+    if name.endswith(".pattern"):  # checked before anything is printed: a mistake prints its error alone
         if args.head is None or not 0 <= args.head < value.shape[0]:
             raise QkvError(f"--head must be in 0–{value.shape[0] - 1} for {name}, got {args.head}")
-        value = value[args.head]
     elif args.head is not None:
         raise QkvError(f"--head applies to attention patterns, not {name}")
+    print(f"{name}: shape {tuple(acts[name].shape)}")
+    value = value[args.head] if name.endswith(".pattern") else value
     if value.dim() == 2 and value.shape[-1] <= 32:  # a pattern (T, T) of a short prompt: the whole matrix
         print("\n".join(" ".join(f"{float(v):.3f}" for v in row) for row in value))
     else:

@@ -234,6 +234,9 @@ class _Trainer:
                           f"{self.ctx.device}{precision}{layout}, run dir {self.run_dir}")  # fmt: skip
         self.model.train()
         first_step, first_tokens = self.state.step, self.state.tokens_seen
+        if self.state.step >= self.cfg.max_steps:
+            self.progress.log(f"the run is already at step {self.state.step} of --max-steps {self.cfg.max_steps}: "
+                              "nothing to train (raise --max-steps to continue it)")  # fmt: skip
         losses: list[float] = []
         interrupted = False
         dynamo = torch._dynamo.config.patch(fail_on_recompile_limit_hit=True) if self.cfg.compile else None
