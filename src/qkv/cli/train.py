@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from qkv.training import RunConfig, Task
 
 # Short options for common model fields: (option, help, the model-config fields it sets).
-SHORTCUTS = (("n_layers", "layers (of the encoder and of the decoder)"), ("d_model", "model width"),
+SHORTCUTS = (("n_layers", "layers"), ("d_model", "model width"),
              ("n_heads", "attention heads"), ("dropout", "dropout probability"))  # fmt: skip
 _SKIPPED = ("model",)  # fields with an option of their own shape (--model KEY=VALUE)
 
@@ -100,7 +100,9 @@ def build_parser(task: str, cls: type[RunConfig]) -> argparse.ArgumentParser:
     model_cls = cls.model_config
     p.add_argument("--model", action="append", type=key_value, metavar="KEY=VALUE",
                    help=f"any {model_cls.__name__} field, e.g. --model positions=rotary (repeatable)")  # fmt: skip
+    sides = "n_layers" not in {f.name for f in dataclasses.fields(model_cls)}  # an encoder–decoder counts per side
     for name, text in SHORTCUTS:
+        text += " (of the encoder and of the decoder)" if name == "n_layers" and sides else ""
         p.add_argument(f"--{name.replace('_', '-')}", dest=f"shortcut_{name}", type=int if name != "dropout" else float,
                        metavar=name.upper(), help=f"model: {text}")  # fmt: skip
     p.add_argument("--nproc", type=int, help="train on N local processes (torch's elastic launcher, like torchrun)")
