@@ -165,12 +165,12 @@ PEAK_RSS = ("import resource, subprocess, sys; code = subprocess.call(sys.argv[1
 @pytest.mark.slow
 def test_an_fsdp_run_larger_than_any_process_saves_and_resumes(tmp_path: Path, corpus: Path) -> None:
     """A 12 × 1024 model (129 M parameters) with AdamW: weights, gradients and two moments in float32 are
-    1.9 GiB; no FSDP process ever peaks at that much memory, while training, saving (its shards, the exports
-    gathered one tensor at a time) and resuming."""
+    1.9 GiB; neither of 2 FSDP processes ever peaks at that much memory, though each holds half of it, while
+    training, saving (its shards, the exports gathered one tensor at a time) and resuming."""
     run = tmp_path / "run"
     peaks = []
     for argv in (["--data", str(corpus), *BIG, "--max-steps", "2"], ["--resume", "--max-steps", "3"]):
-        command = [sys.executable, "-c", PEAK_RSS, *QKV_TRAIN, "--nproc", "4", "--strategy", "fsdp", *argv,
+        command = [sys.executable, "-c", PEAK_RSS, *QKV_TRAIN, "--nproc", "2", "--strategy", "fsdp", *argv,
                    "--out-dir", str(run)]  # fmt: skip
         done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=dist_env(), timeout=900)
         assert done.returncode == 0, done.stderr
@@ -182,7 +182,7 @@ def test_an_fsdp_run_larger_than_any_process_saves_and_resumes(tmp_path: Path, c
     assert max(peaks) < state, f"peak {max(peaks) / MIB:.0f} MiB ≥ the whole state, {state / MIB:.0f} MiB"
     assert [r["step"] for r in rows(run)] == [2, 3] and _pointer(run) == 3
     shards = sorted((checkpoint_dir(run)).glob("__*_0.distcp"))
-    assert len(shards) == 4  # each rank wrote its own part, about a quarter of weights and moments each
-    assert all(p.stat().st_size < 0.3 * 3 * 4 * n_params for p in shards)
+    assert len(shards) == 2  # each rank wrote its own part, about half of the weights and moments each
+    assert all(p.stat().st_size < 0.55 * 3 * 4 * n_params for p in shards)
     with one_thread():
         assert train(LMConfig(out_dir=str(run), resume=True, max_steps=3, device="cpu"), verbose=False).step == 3

@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import functools
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -13,8 +14,8 @@ import torch
 from qkv.errors import QkvError
 from qkv.io import DTYPES
 
-__all__ = ["DTYPES", "autocast_context", "cpu_threads", "keep_freed_memory", "matmul_precision", "resolve_device",
-           "resolve_dtype"]
+__all__ = ["DTYPES", "autocast_context", "cpu_threads", "keep_freed_memory", "map_first_allocations",
+           "matmul_precision", "resolve_device", "resolve_dtype"]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -86,6 +87,7 @@ def cpu_threads(n: int | None, device: torch.device | None = None) -> Any:
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling on 64-bit systems (DEFAULT_MMAP_THRESHOLD_MAX)
+_MMAP_THRESHOLD_MIN = 128 << 10  # glibc's default (DEFAULT_MMAP_THRESHOLD_MIN)
 
 
 @functools.cache
@@ -105,3 +107,27 @@ def keep_freed_memory() -> bool:
         return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30))
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
+
+
+@contextlib.contextmanager
+def map_first_allocations(enabled: bool) -> Iterator[None]:
+    """Within: blocks over 128 KiB mapped from the OS (glibc's default), not kept in the heap as
+    keep_freed_memory has it; for an FSDP run's first step on the CPU. Nothing changes where that did not apply.
+
+    The first all-gather of each layer creates its unsharded parameters, and each buffer is followed in the heap
+    by a small object (tensor metadata) that lives as long as the run. Freed after the layer, the buffer leaves
+    a hole of exactly its size between two live objects, and glibc before 2.38 cannot serve an aligned
+    allocation of that size (posix_memalign, as PyTorch allocates) from such a hole: every layer would take its
+    parameters from fresh memory, all of it resident until the backward pass. Mapped instead, the buffers leave
+    no holes. From the second step on they come from the heap again: a freed layer's buffers coalesce (no
+    metadata between them) and are reused.
+    """
+    if not enabled or not keep_freed_memory():
+        yield
+        return
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MIN)
+    try:
+        yield
+    finally:
+        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)

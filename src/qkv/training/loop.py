@@ -33,6 +33,7 @@ from qkv.io.devices import (
     autocast_context,
     cpu_threads,
     keep_freed_memory,
+    map_first_allocations,
     matmul_precision,
     resolve_device,
     resolve_dtype,
@@ -247,7 +248,10 @@ class _Trainer:
                 if distributed.any_rank(interrupt_requested(), self.ctx):
                     interrupted = True
                     break
-                losses.append(self._timed_step())
+                # FSDP creates its per-layer buffers in the first step: mapped, they fragment no heap (CPU only).
+                first = self.state.step == first_step and self.ctx.sharded and self.ctx.device.type == "cpu"
+                with map_first_allocations(first):
+                    losses.append(self._timed_step())
                 if self.pending is not None and self.pending.done():  # a background save finished: commit it
                     self._finish_save()
                 out_of_time = self.cfg.max_time is not None and distributed.any_rank(
