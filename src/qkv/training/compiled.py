@@ -40,7 +40,6 @@ def compile_layers(model: nn.Module, dynamic: bool | None) -> int:
     return len(layers)
 
 
-
 def step_loss(task: Task, model: nn.Module, wrapped: nn.Module, compile_: bool,
               per_layer: bool) -> Callable[[Any], Tensor]:  # fmt: skip
     """What a training step calls on each micro-batch: task.loss of the model as the loop runs it (`wrapped`:
