@@ -20,10 +20,9 @@ from __future__ import annotations
 import math
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -37,7 +36,7 @@ from qkv.interpret.hooks import run_with_cache
 from qkv.interpret.induction import attention_breakdown, head_scores, repeated_tokens
 from qkv.lab.plotting import COLORS, Margins, Section, format_table, heatmap, label, new_figure, save
 from qkv.models import DecoderLM
-from qkv.tasks.lm import LMBatch
+from qkv.tasks.lm import LMBatch, NextToken
 from qkv.training import Evaluation, Hooks, RunConfig, Task, fit, option
 
 if TYPE_CHECKING:
@@ -119,7 +118,7 @@ def half_losses(logits: Tensor, ids: Tensor) -> tuple[float, float]:
     return float(losses[:, : n - 1].mean()), float(losses[:, n:].mean())
 
 
-class InductionTask(Task):
+class InductionTask(NextToken, Task):
     """Next-token prediction on repeated random tokens; the evaluation measures both halves and every head."""
 
     name = "induction"
@@ -153,14 +152,6 @@ class InductionTask(Task):
     def collate(self, examples: Any, device: torch.device) -> LMBatch:
         """Inputs and next tokens."""
         return LMBatch(examples[:, :-1].to(device), examples[:, 1:].to(device))
-
-    def logits(self, model: Callable[..., Any], batch: LMBatch) -> Tensor:
-        """Next-token logits (B, T, V)."""
-        return cast(Tensor, model(batch.x))
-
-    def criterion(self, logits: Tensor, batch: LMBatch) -> Tensor:
-        """Mean next-token cross-entropy over every position."""
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch.y.flatten())
 
     def evaluate(self, ev: Evaluation) -> dict[str, float]:
         """Both halves' losses and the strongest heads, on the held-out rows."""

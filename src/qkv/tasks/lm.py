@@ -169,7 +169,19 @@ class LMBatch:
         return self.x.numel()
 
 
-class LMTask(Task):
+class NextToken:
+    """The loss of a task whose batches are LMBatch: next-token cross-entropy at every position."""
+
+    def logits(self, model: Callable[..., Any], batch: LMBatch) -> Tensor:
+        """Next-token logits (B, T, V)."""
+        return cast(Tensor, model(batch.x))
+
+    def criterion(self, logits: Tensor, batch: LMBatch) -> Tensor:
+        """Mean next-token cross-entropy (computed in float32 whatever the autocast dtype)."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch.y.flatten())
+
+
+class LMTask(NextToken, Task):
     """Next-token prediction with a DecoderLM."""
 
     name = "lm"
@@ -281,14 +293,6 @@ class LMTask(Task):
         assert self.train is not None and isinstance(examples, Tensor)
         x, y = self.train.windows(examples, self.cfg.block_size)
         return LMBatch(to_device(x, device), to_device(y, device))
-
-    def logits(self, model: Callable[..., Any], batch: LMBatch) -> Tensor:
-        """Next-token logits (B, T, V)."""
-        return cast(Tensor, model(batch.x))
-
-    def criterion(self, logits: Tensor, batch: LMBatch) -> Tensor:
-        """Mean next-token cross-entropy (computed in float32 whatever the autocast dtype)."""
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch.y.flatten())
 
     def evaluate(self, ev: Evaluation) -> dict[str, float]:
         """The validation loss by `qkv eval`'s protocol (periodically over eval_tokens tokens, if set), and its bits
