@@ -74,7 +74,7 @@ def _assert_error(result: tuple[int, str, str], command: str, message: str | re.
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Text files good and bad, a plain file, an empty directory and a path that does not exist."""
+    """Text files good and bad, a plain file, an empty directory, a directory of other files and a missing path."""
     root = tmp_path_factory.mktemp("files")
     paths = {name: root / f"{name}.txt" for name in ("excerpt", "empty", "latin1", "short", "plain")}
     paths["excerpt"].write_text(load_shakespeare()[:20_000], encoding="utf-8")
@@ -85,6 +85,9 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     paths["emptydir"] = root / "emptydir"
     paths["emptydir"].mkdir()
     paths["missing"] = root / "missing"
+    paths["notes"] = root / "notes"  # a directory of the user's that is not a run
+    paths["notes"].mkdir()
+    (paths["notes"] / "config.txt").write_text("mine\n")
     return {k: Path(v) for k, v in paths.items()}
 
 
@@ -156,6 +159,8 @@ TRAIN_ERRORS: list[tuple[str, list[str], str]] = [
      "{char_run} already holds a run; pass --resume to continue it or choose another --out-dir"),
     ("--out-dir is a file", ["--data", "{excerpt}", "--out-dir", "{plain}"],
      "--out-dir {plain} is a file; give a directory (a new one, or a run to --resume)"),
+    ("--out-dir holds other files", ["--data", "{excerpt}", "--out-dir", "{notes}"],
+     "--out-dir {notes} already holds other files; give a new or empty directory for the run"),
 ]  # fmt: skip
 
 
@@ -190,6 +195,7 @@ def test_train_rejects_bad_input_in_one_line(
     _assert_error(result, "train", _fill(message, paths))
     assert sorted(p.name for p in char_run.iterdir()) == before
     assert os.listdir(files["emptydir"]) == []
+    assert os.listdir(files["notes"]) == ["config.txt"]
     assert os.listdir(tmp_path) == []
 
 

@@ -59,6 +59,19 @@ def write_run_config(directory: Path, task: str, model_type: str, model: dict[st
     atomic_write_json(Path(directory) / CONFIG_FILE, config)
 
 
+def new_run_refusal(directory: Path) -> str:
+    """Why a new run may not be written to `directory` ("" when it may: it is absent or empty); nothing the user
+    had is written over, a run of theirs or any other file."""
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        return f"--out-dir {directory} is a file; give a directory (a new one, or a run to --resume)"
+    if not directory.is_dir() or not any(directory.iterdir()):
+        return ""
+    if (directory / CONFIG_FILE).is_file():
+        return f"{directory} already holds a run; pass --resume to continue it or choose another --out-dir"
+    return f"--out-dir {directory} already holds other files; give a new or empty directory for the run"
+
+
 def read_run_config(directory: Path) -> dict[str, Any]:
     """config.json of a run directory in today's layout, with errors that say what is wrong with the directory."""
     directory = Path(directory)

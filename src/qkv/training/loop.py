@@ -43,6 +43,7 @@ from qkv.io.run_dir import (
     LAST_FILE,
     PLOT_FILE,
     migrate_state,
+    new_run_refusal,
     read_metrics,
     read_run_config,
     write_metrics,
@@ -108,10 +109,9 @@ def fit(task: type[Task], cfg: RunConfig, verbose: bool = True, hooks: Hooks | N
         if ctx.device.type == "cpu":
             keep_freed_memory()
         run_dir = Path(cfg.out_dir) if cfg.out_dir else Path(distributed.agree(str(default_run_dir(task, cfg)), ctx))
-        if run_dir.exists() and not run_dir.is_dir():
-            raise QkvError(f"--out-dir {run_dir} is a file; give a directory (a new one, or a run to --resume)")
-        if not cfg.resume and (has_checkpoint(run_dir) or (run_dir / BEST_FILE).exists()):
-            raise QkvError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --out-dir")
+        refusal = new_run_refusal(run_dir) if not cfg.resume and ctx.rank == 0 else ""
+        if refusal := distributed.agree(refusal, ctx):  # decided once: rank 0 may start writing the run first
+            raise QkvError(refusal)
         cfg.dtype = resolve_dtype(cfg.dtype, ctx.device)  # stored resolved: the run says what it trained in
         with cpu_threads(cfg.cpu_threads, ctx.device), matmul_precision(ctx.device, cfg.dtype):
             trained = task.for_config(cfg)(cfg, stored["model"] if stored else None)
