@@ -236,7 +236,8 @@ def test_training_state_errors(tmp_path: Path) -> None:
     model, opt = _model_and_opt()
     with pytest.raises(QkvError) as info:
         ckpt.load_checkpoint(run, model, opt, {}, ONE, set())
-    assert str(info.value) == f"no checkpoint to resume in {run} (checkpoint/latest.json missing)"
+    assert str(info.value) == (f"no checkpoint to resume in {run} (checkpoint/latest.json missing): a run that "
+                               "stopped before its first save starts again without --resume")
     _train(model, opt, steps=1, seed=1)
     ckpt.save_checkpoint(run, model, opt, {"step": 1}, {}, ONE, frozen=False).wait()
     with pytest.raises(QkvError, match="has no state for generator"):

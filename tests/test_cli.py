@@ -199,6 +199,29 @@ def test_train_rejects_bad_input_in_one_line(
     assert os.listdir(tmp_path) == []
 
 
+def test_train_out_of_memory_is_one_line_that_says_what_to_lower(
+    capsys: pytest.CaptureFixture[str], files: dict[str, Path], tmp_path: Path
+) -> None:
+    """A micro-batch no machine can allocate (10¹² windows): after the run's header, exit 2 and one error line
+    giving the size asked for and what to lower, not an allocator's traceback; the corrected command may then
+    start again in the same directory."""
+    code, _, err = run_main(capsys, "train", "--data", str(files["excerpt"]), *TINY_ARGS, "--max-steps", "1",
+                            "--batch-size", str(10**12), "--out-dir", str(tmp_path / "run"))  # fmt: skip
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    header, error = err.splitlines(True)
+    assert header.startswith("qkv train lm: 0.01 M parameters")
+    assert re.fullmatch(r"qkv train: error: out of memory on cpu \([\d,.]+ [KMGT]?i?B asked for\): lower --batch-size "
+                        r"\(raising --grad-accum keeps the examples per step\) or the sequence length, or add "
+                        r"--activation-checkpointing \(a checkpoint the run saved is kept\)\n", error)  # fmt: skip
+    # The run saved nothing, so the same command with a smaller batch may start again in its directory.
+    assert sorted(os.listdir(tmp_path / "run")) == ["config.json", "tokenizer.json"]
+    code, _, err = run_main(capsys, "train", "--data", str(files["excerpt"]), *TINY_ARGS, "--max-steps", "1",
+                            "--out-dir", str(tmp_path / "run"))  # fmt: skip
+    assert code == 0, err
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["training"]["batch_size"] == 4
+
+
 def test_train_rejects_a_model_value_of_the_wrong_type(
     capsys: pytest.CaptureFixture[str], files: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -619,3 +619,26 @@ def test_auto_precision_is_float32_on_the_cpu_and_bf16_with_tf32_on_cuda(tmp_pat
     train(config_class("lm")(**tiny_settings("lm", tiny_data(tmp_path / "data")), out_dir=str(tmp_path / "run")),
           verbose=False)  # fmt: skip
     assert json.loads((tmp_path / "run" / "config.json").read_text())["training"]["dtype"] == "float32"
+
+
+def test_out_of_memory_names_the_size_each_allocator_asked_for() -> None:
+    """The CPU allocator's, numpy's and CUDA's out-of-memory errors give their size; other errors are not OOM."""
+    import numpy as np
+
+    from qkv.io.devices import out_of_memory
+
+    def raised(make: Any) -> BaseException:
+        try:
+            make()
+        except Exception as e:  # each allocator raises its own type
+            return e
+        raise AssertionError("the allocation succeeded")
+
+    assert out_of_memory(raised(lambda: torch.empty(2**45))) == "131,072.0 GiB asked for"  # bytes, given in bytes
+    assert out_of_memory(raised(lambda: np.empty((2**40, 16)))) == "128 TiB asked for"  # numpy: "128. TiB"
+    cuda = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of "
+                                  "79.19 GiB of which 3.56 GiB is free.")  # fmt: skip
+    assert out_of_memory(cuda) == "20.00 GiB asked for"
+    assert out_of_memory(torch.OutOfMemoryError("CUDA error: out of memory")) == ""
+    assert out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+    assert out_of_memory(ValueError("can't allocate memory")) is None

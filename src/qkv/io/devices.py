@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import re
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -15,7 +16,7 @@ from qkv.errors import QkvError
 from qkv.io import DTYPES
 
 __all__ = ["DTYPES", "autocast_context", "cpu_threads", "keep_freed_memory", "map_first_allocations",
-           "matmul_precision", "resolve_device", "resolve_dtype"]
+           "matmul_precision", "out_of_memory", "out_of_memory_advice", "resolve_device", "resolve_dtype"]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -131,3 +132,31 @@ def map_first_allocations(enabled: bool) -> Iterator[None]:
         yield
     finally:
         libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
+
+
+def out_of_memory(error: BaseException) -> str | None:
+    """For an allocation that failed (CUDA's or MPS's, the CPU allocator's, numpy's): how much it asked for, in
+    words ("" when the message does not say); None for any other error."""
+    text = str(error)
+    failed = "can't allocate memory" in text or "out of memory" in text
+    if not isinstance(error, MemoryError | torch.OutOfMemoryError) and not (isinstance(error, RuntimeError) and failed):
+        return None
+    if found := re.search(r"allocate ([\d.]+ [KMGT]?i?B)", text):  # numpy's, CUDA's and MPS's wording
+        number, unit = found[1].split()
+        return f"{number.rstrip('.')} {unit} asked for"  # numpy writes "961. GiB"
+    if found := re.search(r"allocate (\d+) bytes", text):  # the CPU allocator's
+        return f"{int(found[1]) / 2**30:,.1f} GiB asked for"
+    return ""
+
+
+@contextlib.contextmanager
+def out_of_memory_advice(device: torch.device, advice: str) -> Iterator[None]:
+    """Turn a failed allocation into a one-line QkvError: where memory ran out, how much was asked for, and
+    `advice` on what to lower (torch.OutOfMemoryError is a RuntimeError)."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as e:
+        asked = out_of_memory(e)
+        if asked is None:
+            raise
+        raise QkvError(f"out of memory on {device}{f' ({asked})' if asked else ''}: {advice}") from None

@@ -31,6 +31,7 @@ BEST_FILE = "model.safetensors"
 LAST_FILE = "last.safetensors"
 OPTIM_FILE = "last_optim.safetensors"
 STATE_FILE = "last_state.json"
+CHECKPOINT_DIR = "checkpoint"
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 CHECKPOINTS = ("best", "last")
@@ -68,6 +69,9 @@ def new_run_refusal(directory: Path) -> str:
     if not directory.is_dir() or not any(directory.iterdir()):
         return ""
     if (directory / CONFIG_FILE).is_file():
+        saved = (BEST_FILE, LAST_FILE, STATE_FILE, CHECKPOINT_DIR)
+        if not any((directory / name).exists() for name in saved):
+            return ""  # a run that stopped before its first save: only its own settings to write again
         return f"{directory} already holds a run; pass --resume to continue it or choose another --out-dir"
     return f"--out-dir {directory} already holds other files; give a new or empty directory for the run"
 

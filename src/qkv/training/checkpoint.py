@@ -35,7 +35,7 @@ from torch import nn
 
 from qkv.errors import QkvError
 from qkv.io.files import atomic_save_safetensors, atomic_write_json, file_sha256, load_json, load_safetensors
-from qkv.io.run_dir import OPTIM_FILE, STATE_FILE
+from qkv.io.run_dir import CHECKPOINT_DIR, OPTIM_FILE, STATE_FILE
 from qkv.training import distributed
 from qkv.training.distributed import DistContext
 from qkv.training.legacy_checkpoint import load_legacy
@@ -53,7 +53,6 @@ _SINGLE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
 warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)  # also for a background save's thread
 
 FORMAT = "qkv-checkpoint/2"
-CHECKPOINT_DIR = "checkpoint"
 LATEST = "latest.json"
 
 
@@ -144,7 +143,8 @@ def load_checkpoint(
     if not (root / LATEST).is_file():
         if (Path(run_dir) / STATE_FILE).is_file():
             return load_legacy(Path(run_dir), model, optimizer, generators, ctx, frozen)
-        raise QkvError(f"no checkpoint to resume in {run_dir} ({CHECKPOINT_DIR}/{LATEST} missing)")
+        raise QkvError(f"no checkpoint to resume in {run_dir} ({CHECKPOINT_DIR}/{LATEST} missing): a run that "
+                       "stopped before its first save starts again without --resume")  # fmt: skip
     pointer = load_json(root / LATEST, "checkpoint pointer")
     if pointer.get("format") != FORMAT:
         raise QkvError(f"{root / LATEST} has format {pointer.get('format')!r}, expected {FORMAT!r}")

@@ -35,6 +35,7 @@ from qkv.io.devices import (
     keep_freed_memory,
     map_first_allocations,
     matmul_precision,
+    out_of_memory_advice,
     resolve_device,
     resolve_dtype,
 )
@@ -95,6 +96,10 @@ class _Progress:
     global_batch: int = 0  # batch_size × processes of the run's first session, kept on resume
 
 
+MEMORY_ADVICE = ("lower --batch-size (raising --grad-accum keeps the examples per step) or the sequence length, or "
+                 "add --activation-checkpointing (a checkpoint the run saved is kept)")
+
+
 def default_run_dir(task: type[Task], cfg: RunConfig) -> Path:
     """runs/<the task's run name>-<date>-<time>."""
     return Path("runs") / f"{task.run_name(cfg)}-{datetime.now():%Y%m%d-%H%M%S}"
@@ -113,7 +118,8 @@ def fit(task: type[Task], cfg: RunConfig, verbose: bool = True, hooks: Hooks | N
         if refusal := distributed.agree(refusal, ctx):  # decided once: rank 0 may start writing the run first
             raise QkvError(refusal)
         cfg.dtype = resolve_dtype(cfg.dtype, ctx.device)  # stored resolved: the run says what it trained in
-        with cpu_threads(cfg.cpu_threads, ctx.device), matmul_precision(ctx.device, cfg.dtype):
+        with cpu_threads(cfg.cpu_threads, ctx.device), matmul_precision(ctx.device, cfg.dtype), \
+                out_of_memory_advice(ctx.device, MEMORY_ADVICE):  # fmt: skip
             trained = task.for_config(cfg)(cfg, stored["model"] if stored else None)
             return _Trainer(trained, cfg, run_dir, ctx, verbose, hooks or Hooks(), stored).run()
 
