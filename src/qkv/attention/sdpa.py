@@ -105,18 +105,9 @@ def scaled_dot_product_attention(
     A query whose keys are all masked gets a zero output (and zero gradient), never NaN.
     """
     if kv_groups > 1:
-        if q.dim() < 3 or k.dim() != q.dim() or k.shape[-3] * kv_groups != q.shape[-3]:
-            raise QkvError(f"kv_groups={kv_groups} needs k, v with H / {kv_groups} heads on dim -3: q "
-                           f"{tuple(q.shape)}, k {tuple(k.shape)}")  # fmt: skip
-        plain = mask is None and backend != "reference" and active_recorder() is None
-        if _HAS_GQA and plain and (not causal or q.shape[-2] in (1, k.shape[-2])):
-            # PyTorch's kernel reads each key/value head once for its group: no copies of K and V (as fast as
-            # multi-head attention's kernel, against a third slower with the copies, on a CPU).
-            _check_inputs(q, k[..., :1, :, :], v[..., :1, :, :], None)
-            is_causal = causal and q.shape[-2] > 1
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal,
-                                                  scale=q.shape[-1] ** -0.5 if scale is None else scale,
-                                                  enable_gqa=True)  # fmt: skip
+        grouped = _grouped_kernel(q, k, v, mask, causal, scale, dropout_p, backend, kv_groups)
+        if grouped is not None:
+            return grouped
         k, v = k.repeat_interleave(kv_groups, dim=-3), v.repeat_interleave(kv_groups, dim=-3)  # (…, H, T_k, d)
     _check_inputs(q, k, v, mask)
     if backend not in ("auto", "reference", "fused"):
@@ -154,6 +145,23 @@ def scaled_dot_product_attention(
         attn_weights = F.dropout(attn_weights, p=dropout_p)
     context = attn_weights @ v  # (..., T_q, d_v): each query's weighted mix of the values
     return context
+
+
+def _grouped_kernel(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None,
+                    dropout_p: float, backend: Backend, kv_groups: int) -> Tensor | None:  # fmt: skip
+    """Grouped-query attention in PyTorch's kernel, which reads each key/value head once for its group (no copies
+    of K and V); None where that kernel cannot serve the call (a mask, recording, an unaligned causal triangle)."""
+    if q.dim() < 3 or k.dim() != q.dim() or k.shape[-3] * kv_groups != q.shape[-3]:
+        raise QkvError(f"kv_groups={kv_groups} needs k, v with H / {kv_groups} heads on dim -3: q "
+                       f"{tuple(q.shape)}, k {tuple(k.shape)}")  # fmt: skip
+    plain = mask is None and backend != "reference" and active_recorder() is None
+    if not (_HAS_GQA and plain and (not causal or q.shape[-2] in (1, k.shape[-2]))):
+        return None
+    _check_inputs(q, k[..., :1, :, :], v[..., :1, :, :], None)
+    is_causal = causal and q.shape[-2] > 1
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal,
+                                          scale=q.shape[-1] ** -0.5 if scale is None else scale,
+                                          enable_gqa=True)  # fmt: skip
 
 
 def _reference_weights(q: Tensor, k: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:

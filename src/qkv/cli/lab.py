@@ -121,7 +121,19 @@ def register(sub: Any) -> None:
     lab_parser = sub.add_parser("lab", help="experiments about attention: a table and a plot each, or an HTML report")
     lab_parser.set_defaults(handler=lambda args: lab_parser.print_help() or 0)
     lab = lab_parser.add_subparsers(dest="experiment", metavar="EXPERIMENT")
+    _add_parts(lab)
+    _add_models(lab)
 
+    p = lab.add_parser("report", help="every experiment on one self-contained HTML page",
+                       description="run every experiment; write OUT/report.html with the figures embedded")  # fmt: skip
+    p.set_defaults(handler=_cmd_report)
+    p.add_argument("--run", metavar="RUN_DIR", help="include the attention maps of this trained run")
+    p.add_argument("--text", default=None, help="input text for the attention maps")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
+
+
+def _add_parts(lab: Any) -> None:
+    """The experiments on the Transformer's parts: scaling, softmax, positions, norms, masks, heads."""
     p = _experiment(lab, "variance", "why scale by √d_k: var(q·k) against d_k", _run_variance)
     p.add_argument("--d-k", type=int, nargs="+", default=[5, 100, 512], help="head sizes (default 5 100 512)")
     p.add_argument("--trials", type=int, default=1000, help="draws of q and k per d_k (default 1000)")
@@ -165,6 +177,9 @@ def register(sub: Any) -> None:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
 
+
+def _add_models(lab: Any) -> None:
+    """The experiments on trained models: induction heads and a run's attention maps."""
     p = _experiment(lab, "induction", "induction heads: a phase change in a 2-layer attention-only model, and "
                     "SmolLM2's", _run_induction)  # fmt: skip
     p.add_argument("--length", type=int, default=25, help="random tokens repeated in the held-out rows, and the "
@@ -183,10 +198,3 @@ def register(sub: Any) -> None:
     p.add_argument("run_dir", help="a run directory written by `qkv train` (language model, translation, masked LM)")
     p.add_argument("--text", help="the input text (default: a line of Romeo and Juliet)")
     p.add_argument("--checkpoint", default="best", help="best or last")
-
-    p = lab.add_parser("report", help="every experiment on one self-contained HTML page",
-                       description="run every experiment; write OUT/report.html with the figures embedded")  # fmt: skip
-    p.set_defaults(handler=_cmd_report)
-    p.add_argument("--run", metavar="RUN_DIR", help="include the attention maps of this trained run")
-    p.add_argument("--text", default=None, help="input text for the attention maps")
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")

@@ -12,21 +12,20 @@ What llama.cpp's convert_hf_to_gguf.py does for a LlamaForCausalLM, from qkv's t
 from __future__ import annotations
 
 import json
-import os
-import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from torch import Tensor
 
+from qkv.config import DecoderLMConfig
 from qkv.errors import QkvError
 from qkv.extras import require
 from qkv.interop import llama
 from qkv.interop.gguf_reader import _DIGIT_SPLIT_PRE, _GLOBAL, _GPT2_PRE, _LAYER
 from qkv.interop.hf_io import export_mapped
-from qkv.io.files import fsync_directory
+from qkv.io.files import atomic_path
 from qkv.models import DecoderLM
 from qkv.tokenizers import ByteBPETokenizer
 
@@ -122,15 +121,32 @@ def save_gguf(
     """
     if not isinstance(model, DecoderLM):
         raise QkvError(f"GGUF export writes decoder-only LMs, not a {type(model).__name__}")
-    cfg = model.cfg
-    problems = llama.export_problems(cfg)
+    problems = llama.export_problems(model.cfg)
     if problems:
         raise QkvError(f"GGUF export writes Llama-shaped DecoderLMs; this one is not: {', '.join(problems)}")
     if dtype not in DTYPES:
         raise QkvError(f"GGUF dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     gguf = require("gguf", "hf", "writing .gguf files")
     pre_name = _pre_tokenizer(tokenizer, pre)
-    tokens, types, merges = _vocab(tokenizer, cfg.vocab_size)
+    ids = _token_ids(tokenizer, token_ids, model.cfg.vocab_size)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:  # a reader (or a crash) never sees half a file
+        writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
+        _add_metadata(writer, model.cfg, dtype, name)
+        _add_tokenizer(writer, tokenizer, model.cfg.vocab_size, pre_name, ids, chat_template)
+        for hf_name, array in _tensors(model, dtype):
+            writer.add_tensor(_gguf_name(hf_name), array)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    return path
+
+
+def _token_ids(tokenizer: ByteBPETokenizer, token_ids: Mapping[str, int | None] | None,
+               vocab_size: int) -> dict[str, int]:  # fmt: skip
+    """The special-token ids to write: those given, eos defaulting to the tokenizer's and bos to eos."""
     # None means "not given": an absent bos is one llama.cpp invents (id 11 for BPE vocabularies), so eos is better.
     given = {k: v for k, v in (token_ids or {}).items() if v is not None}
     ids: dict[str, Any] = {"eos_token_id": tokenizer.eos_id, **given}
@@ -139,69 +155,58 @@ def save_gguf(
     if unknown:
         raise QkvError(f"unknown token id key(s) {', '.join(unknown)}; use {', '.join(_TOKEN_KEYS)}")
     # One int each: GGUF has no place for a list (some config.json files give several eos ids).
-    bad = {k: v for k, v in ids.items() if v is not None and not (isinstance(v, int) and 0 <= v < cfg.vocab_size)}
+    bad = {k: v for k, v in ids.items() if v is not None and not (isinstance(v, int) and 0 <= v < vocab_size)}
     if bad:
-        raise QkvError(f"token ids {bad} are not ids in the vocabulary of {cfg.vocab_size}")
+        raise QkvError(f"token ids {bad} are not ids in the vocabulary of {vocab_size}")
+    return {k: int(v) for k, v in ids.items() if v is not None}
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Written beside the target, then renamed: os.replace is atomic within one filesystem, so a reader
-    # (or a crash) never sees half a file; the hidden prefix keeps it out of "*.gguf" globs.
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
-        writer.add_type("model")  # not an adapter
-        writer.add_name(name)
-        writer.add_context_length(cfg.max_positions)
-        writer.add_embedding_length(cfg.d_model)
-        writer.add_block_count(cfg.n_layers)
-        writer.add_feed_forward_length(cfg.d_ff)
-        writer.add_head_count(cfg.n_heads)
-        writer.add_head_count_kv(cfg.n_kv_heads or cfg.n_heads)
-        writer.add_rope_freq_base(cfg.rope_base)
-        writer.add_layer_norm_rms_eps(cfg.norm_eps)
-        writer.add_rope_dimension_count(cfg.d_head)
-        writer.add_vocab_size(cfg.vocab_size)
-        f16 = dtype == "float16"
-        writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if f16 else gguf.LlamaFileType.ALL_F32)
 
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre(pre_name)
-        writer.add_token_list(tokens)
-        writer.add_token_types(types)
-        writer.add_token_merges(merges)
-        for key, value in ids.items():
-            if value is not None:
-                writer.add_uint32(f"tokenizer.ggml.{_TOKEN_KEYS[key]}", int(value))
-        # qkv never adds bos/eos when encoding; llama.cpp must not either, or the two see different prompts.
-        writer.add_add_bos_token(False)
-        writer.add_add_eos_token(False)
-        if chat_template is not None:
-            writer.add_chat_template(chat_template)
+def _add_metadata(writer: Any, cfg: DecoderLMConfig, dtype: str, name: str) -> None:
+    """The model's shape, under llama.cpp's llama.* keys."""
+    gguf = require("gguf", "hf", "writing .gguf files")
+    writer.add_type("model")  # not an adapter
+    writer.add_name(name)
+    writer.add_context_length(cfg.max_positions)
+    writer.add_embedding_length(cfg.d_model)
+    writer.add_block_count(cfg.n_layers)
+    writer.add_feed_forward_length(cfg.d_ff)
+    writer.add_head_count(cfg.n_heads)
+    writer.add_head_count_kv(cfg.n_kv_heads or cfg.n_heads)
+    writer.add_rope_freq_base(cfg.rope_base)
+    writer.add_layer_norm_rms_eps(cfg.norm_eps)
+    writer.add_rope_dimension_count(cfg.d_head)
+    writer.add_vocab_size(cfg.vocab_size)
+    f16 = dtype == "float16"
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if f16 else gguf.LlamaFileType.ALL_F32)
 
-        n_kv_heads = cfg.n_kv_heads or cfg.n_heads
-        for hf_name, tensor in export_mapped(model, llama.name_map(cfg)).items():
-            if ".q_proj." in hf_name:
-                tensor = _permute(tensor, cfg.n_heads)
-            elif ".k_proj." in hf_name:
-                tensor = _permute(tensor, n_kv_heads)
-            array = tensor.detach().cpu().float().numpy()
-            # llama.cpp multiplies 1-D tensors (norm weights, biases) in fp32; matrices take the chosen dtype.
-            array = array.astype(np.float16 if f16 and array.ndim > 1 else np.float32, copy=False)  # no fp32 copy
-            writer.add_tensor(_gguf_name(hf_name), array)
 
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())  # data on disk *before* the rename makes it visible
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600 files; give the permissions a plain open() would
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_directory(path.parent)
-    return path
+def _add_tokenizer(writer: Any, tokenizer: ByteBPETokenizer, vocab_size: int, pre_name: str, ids: dict[str, int],
+                   chat_template: str | None) -> None:  # fmt: skip
+    """The tokenizer as llama.cpp's "gpt2" BPE, its special ids and the chat template."""
+    tokens, types, merges = _vocab(tokenizer, vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre_name)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    for key, value in ids.items():
+        writer.add_uint32(f"tokenizer.ggml.{_TOKEN_KEYS[key]}", value)
+    # qkv never adds bos/eos when encoding; llama.cpp must not either, or the two see different prompts.
+    writer.add_add_bos_token(False)
+    writer.add_add_eos_token(False)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+
+
+def _tensors(model: DecoderLM, dtype: str) -> Iterator[tuple[str, np.ndarray]]:
+    """Each tensor under its HF Llama name, as the array to write (W_q and W_k rows permuted for llama.cpp)."""
+    cfg = model.cfg
+    for hf_name, tensor in export_mapped(model, llama.name_map(cfg)).items():
+        if ".q_proj." in hf_name:
+            tensor = _permute(tensor, cfg.n_heads)
+        elif ".k_proj." in hf_name:
+            tensor = _permute(tensor, cfg.n_kv_heads or cfg.n_heads)
+        array = tensor.detach().cpu().float().numpy()
+        # llama.cpp multiplies 1-D tensors (norm weights, biases) in fp32; matrices take the chosen dtype.
+        f16 = dtype == "float16" and array.ndim > 1
+        yield hf_name, array.astype(np.float16 if f16 else np.float32, copy=False)  # no fp32 copy

@@ -12,7 +12,8 @@ import math
 import os
 import struct
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,26 +25,29 @@ if TYPE_CHECKING:  # imported where tensors are written or read: `qkv prepare` n
 PICKLE_SUFFIXES = frozenset({".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt"})
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see either the old file or the new one, never half."""
+@contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A new temporary file beside ``path`` to write; when the block ends it is synced and renamed onto ``path``
+    (readers see the old file or the new one, never half), and if the block raises it is removed."""
     path = Path(path)
-    # The temp file must live in the target's directory: os.replace is only atomic within one
-    # filesystem, and a hidden prefix keeps it out of globs like "*.safetensors".
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    tmp = Path(tmp_name)
+    tmp = _temp_beside(path)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
+        yield tmp
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())  # data on disk *before* the rename makes it visible
         # mkstemp creates 0600 files; keep the permissions a plain open() would have given.
-        mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
-        os.chmod(tmp, mode)
+        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     fsync_directory(path.parent)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see either the old file or the new one, never half."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
 
 
 def fsync_directory(directory: Path) -> None:
@@ -113,9 +117,8 @@ def atomic_stream_safetensors(
         offset += size
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    temps = [_temp_beside(Path(p)) for p in paths]
-    outs = [open(t, "wb") for t in temps]  # noqa: SIM115 (closed below, on every path)
-    try:
+    with ExitStack() as stack:  # every file is renamed into place only once all of them are written
+        outs = [stack.enter_context(open(stack.enter_context(atomic_path(Path(p))), "wb")) for p in paths]
         for f in outs:
             f.write(struct.pack("<Q", len(head)) + head)
         for (name, dtype, shape), t in zip(specs, tensors, strict=True):
@@ -124,23 +127,11 @@ def atomic_stream_safetensors(
             data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
             for f in outs:
                 f.write(data)
-        for f in outs:
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-        for t_path, path in zip(temps, paths, strict=True):
-            os.chmod(t_path, 0o644)
-            os.replace(t_path, path)
-            fsync_directory(Path(path).parent)
-    except BaseException:
-        for f, t_path in zip(outs, temps, strict=True):
-            f.close()
-            t_path.unlink(missing_ok=True)
-        raise
 
 
 def _temp_beside(path: Path) -> Path:
-    """A new hidden temporary file in ``path``'s directory (os.replace is atomic within one filesystem only)."""
+    """A new hidden temporary file in ``path``'s directory (os.replace is atomic within one filesystem only; the
+    hidden prefix keeps it out of globs like "*.safetensors")."""
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     return Path(name)

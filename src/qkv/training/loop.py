@@ -21,13 +21,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from qkv.blocks.lora import lora_modules
 from qkv.errors import QkvError
 from qkv.io.devices import (
     autocast_context,
@@ -51,14 +50,13 @@ from qkv.io.run_dir import (
     write_run_config,
 )
 from qkv.models import model_type_of
-from qkv.training import distributed, meta_init
+from qkv.training import distributed
 from qkv.training.checkpoint import PendingSave, has_checkpoint, load_checkpoint, save_checkpoint
-from qkv.training.compiled import compile_layers, step_loss
 from qkv.training.config import RunConfig
 from qkv.training.optim import apply_settings, group_settings, make_optimizer
+from qkv.training.parallelize import prepare
 from qkv.training.plots import plot_losses
 from qkv.training.progress import Progress
-from qkv.training.recompute import checkpoint_layers
 from qkv.training.schedule import LRSchedule
 from qkv.training.signals import deferred_interrupt
 from qkv.training.task import Batch, Evaluation, Task, TrainResult
@@ -156,28 +154,9 @@ class _Trainer:
         random.seed(cfg.seed)  # and Python's and NumPy's generators, which a checkpoint saves, for hooks that draw
         np.random.seed(cfg.seed % 2**32)
         task.setup(run_dir, cfg.resume)
-        # Sharded runs build on the meta device and fill each rank's shards after wrapping (an on_model hook
-        # sees the whole model first, so such runs build eagerly).
-        self.model, plan = meta_init.build(task.build_model, on_meta=ctx.sharded and hooks.on_model is None)
-        self.model = self.model if plan is not None else self.model.to(ctx.device)
-        # A LoRA run's frozen weights are its base's, which the task loads (and config.json references): its
-        # checkpoints hold what trains. Any other model saves every tensor, frozen or not.
-        self.frozen = {n for n, p in self.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
-        self.frozen = self.frozen if lora_modules(self.model) else set()
-        if self.frozen and ctx.sharded:
-            raise QkvError("a run with frozen weights (LoRA) trains on one process or with --strategy ddp, not fsdp")
-        if hooks.on_model is not None:
-            hooks.on_model(self.model)
-        if cfg.activation_checkpointing:
-            checkpoint_layers(self.model)
-        if cfg.compile and ctx.enabled:  # per layer, so that DDP's and FSDP's communication stays outside the graphs
-            compile_layers(self.model, task.dynamic_shapes)
-        self.train_model = distributed.wrap_model(self.model, ctx, cfg.dtype)  # DDP around it, or sharded in place
-        if plan is not None:
-            meta_init.materialise(self.model, plan, ctx.device)
-        self.loss_of = step_loss(task, self.model, self.train_model, cfg.compile, per_layer=ctx.enabled)
-        if cfg.compile and not ctx.enabled:  # evaluation's graph of the model (training's holds the loss too)
-            self.train_model = cast(nn.Module, torch.compile(self.model, fullgraph=True, dynamic=task.dynamic_shapes))
+        prepared = prepare(task, cfg, ctx, hooks.on_model)
+        self.model, self.train_model, self.loss_of, self.frozen = (prepared.model, prepared.train_model,
+                                                                   prepared.loss_of, prepared.frozen)  # fmt: skip
         self.pending: PendingSave | None = None  # a checkpoint being written in the background
         self.optimizer = make_optimizer(self.model, cfg)  # after wrapping: FSDP replaces the parameters
         self.schedule = LRSchedule(cfg.lr, min(cfg.warmup_steps, cfg.max_steps), cfg.max_steps, cfg.final_lr,
