@@ -1,12 +1,13 @@
 """Training throughput: tokens/s and MFU of a language-model shape on this machine, through `qkv train`'s own loop.
 
 The steps are the training loop's (qkv.training.loop: batches from the embedded corpus, forward, backward,
-fused AdamW), timed by its on_step hook, with evaluation and checkpoints off; the first --warmup steps are
-not counted. MFU (model FLOPs utilisation) = model FLOPs per second / peak matmul FLOP/s, with the peak
-measured in the same run (large square matmuls), so the ratio means the same on any machine: on the CPU the
-best fp32 2048² product; on CUDA the mean of ten 8192² products in the run's dtype (bf16 for --dtype bfloat16)
-after three warm-ups. Model FLOPs per token follow the PaLM/nanoGPT estimate: 6·N (forward + backward through
-the non-embedding weights, including the output head) + 12·L·T·d (attention scores and mixing).
+fused AdamW), timed through its on_step hook, with evaluation and checkpoints off: one window from the end
+of the first --warmup steps to the last step, synchronised with the device at both ends. MFU (model FLOPs
+utilisation) = model FLOPs per second / peak matmul FLOP/s, with the peak measured in the same run (large
+square matmuls), so the ratio means the same on any machine: on the CPU the best fp32 2048² product; on CUDA
+the mean of ten 8192² products in the run's dtype (bf16 for --dtype bfloat16) after three warm-ups. Model
+FLOPs per token follow the PaLM/nanoGPT estimate: 6·N (forward + backward through the non-embedding weights,
+including the output head) + 12·L·T·d (attention scores and mixing).
 
     python benchmarks/train_throughput.py                         # the default `qkv train` shape
     python benchmarks/train_throughput.py --n-layers 6 --d-model 384 --n-heads 6 --block-size 256 --batch-size 64
@@ -104,13 +105,18 @@ def widen_vocab(model: DecoderLM, vocab_size: int) -> None:
 
 
 def measure(cfg: LMConfig, warmup: int = 3, vocab_size: int | None = None) -> Throughput:
-    """Train cfg.max_steps steps with the loop's hooks; time every step after the warm-up ones.
+    """Train cfg.max_steps steps with the loop's hooks; time the steps after the warm-up ones as one window.
 
+    The loop does not wait for a GPU between steps, so the window is closed by synchronising with the device at
+    both ends: what it times is the device's work, with the host's preparation overlapping it.
     vocab_size: widen the model's vocabulary to this (the data's tokens stay a subset), e.g. GPT-2's on the
     char corpus: the head's matmul then costs what it costs in GPT-2.
     """
+    if cfg.max_steps <= warmup:
+        raise SystemExit(f"--steps must exceed the {warmup} warm-up steps")
     models: list[nn.Module] = []
-    steps: list[StepInfo] = []
+    marks: dict[int, float] = {}
+    tokens: list[int] = []
 
     def on_model(model: nn.Module) -> None:  # before compile, wrapping and the optimiser: they see the new tables
         if vocab_size is not None:
@@ -118,19 +124,26 @@ def measure(cfg: LMConfig, warmup: int = 3, vocab_size: int | None = None) -> Th
             widen_vocab(model, vocab_size)
         models.append(model)
 
+    def on_step(info: StepInfo) -> None:
+        if info.step > warmup:
+            tokens.append(info.tokens)
+        if info.step in (warmup, cfg.max_steps):  # the window's ends: the device's queue drained
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            marks[info.step] = time.perf_counter()
+
     device = str(resolve_device(cfg.device))
     peak = peak_matmul_flops(device=device, dtype=cfg.dtype)  # on a GPU, in the dtype the matmuls run in
-    train(cfg, verbose=False, hooks=Hooks(on_model=on_model, on_step=steps.append, evaluate=False))
+    train(cfg, verbose=False, hooks=Hooks(on_model=on_model, on_step=on_step, evaluate=False))
     peak = max(peak, peak_matmul_flops(device=device, dtype=cfg.dtype))  # before and after: the best is the peak
-    timed = steps[warmup:]
-    seconds = sum(s.seconds for s in timed) / len(timed)
-    tokens_per_s = sum(s.tokens for s in timed) / sum(s.seconds for s in timed)
+    elapsed = marks[cfg.max_steps] - marks[warmup]
+    tokens_per_s = sum(tokens) / elapsed
     model = models[0]
     assert isinstance(model, DecoderLM)
     fpt = flops_per_token(model)
     achieved = tokens_per_s * fpt
     return Throughput(
-        tokens_per_s, seconds * 1000, achieved / 1e12, peak / 1e12, achieved / peak,
+        tokens_per_s, elapsed / len(tokens) * 1000, achieved / 1e12, peak / 1e12, achieved / peak,
         sum(p.numel() for p in model.parameters()) / 1e6, fpt,
     )  # fmt: skip
 

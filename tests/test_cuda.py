@@ -219,6 +219,31 @@ def test_compiled_training_on_cuda_matches_eager(tmp_path: Path, corpus: Path) -
 
 
 @on_cuda
+def test_training_steps_on_cuda_never_wait_for_the_gpu(tmp_path: Path, corpus: Path) -> None:
+    """After the first steps, bf16 AdamW steps (evaluation off, as a benchmark runs them) make no host-device
+    synchronisation: the loss stays on the GPU and batches are copied from pinned memory. torch's sync debug
+    mode turns any synchronising call into an error."""
+    from qkv.training import Hooks, StepInfo
+
+    steps: list[int] = []
+
+    def on_step(info: StepInfo) -> None:
+        steps.append(info.step)
+        if info.step == 2:  # the first steps allocate and build; from here on only steady-state steps
+            torch.cuda.set_sync_debug_mode("error")
+
+    model = {**LMConfig().model, "n_layers": 1, "d_model": 32, "n_heads": 2, "dropout": 0.0}
+    settings: dict[str, Any] = {"data": str(corpus), "model": model, "block_size": 32, "batch_size": 4,
+                                "optimizer": "adamw", "dtype": "bfloat16", "device": "cuda", "max_steps": 6,
+                                "out_dir": str(tmp_path / "run")}  # fmt: skip
+    try:
+        train(LMConfig(**settings), verbose=False, hooks=Hooks(on_step=on_step, evaluate=False))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+@on_cuda
 def test_qkv_train_cli_on_cuda_writes_a_checkpoint_that_loads(tmp_path: Path, corpus: Path) -> None:
     """`python -m qkv train --device cuda` for 4 steps exits 0; its checkpoint loads on the GPU and the CPU."""
     out = tmp_path / "run"

@@ -27,6 +27,13 @@ class ProgressLine:
         self.log_every_s = log_every_s
         self._last_draw = self._last_log = time.monotonic()
 
+    def due(self, final: bool = False) -> bool:
+        """Whether update() would draw now: a caller can skip computing its text (e.g. reading a GPU's loss)."""
+        now = time.monotonic()
+        if self.live:
+            return final or now - self._last_draw >= 0.1
+        return self.enabled and self.log_every_s is not None and (final or now - self._last_log >= self.log_every_s)
+
     def update(self, fraction: float, text: str, final: bool = False) -> None:
         """Redraw the bar at `fraction` (0 … 1) followed by `text` (at most 10 times a second)."""
         now = time.monotonic()

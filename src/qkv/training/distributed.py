@@ -64,6 +64,7 @@ class DistContext:
     strategy: str
     device: torch.device
     checkpoint_group: Any = None  # a gloo group of its own: a background checkpoint's collectives use no other
+    control_group: Any = None  # a gloo group for the loop's per-step counts and flags, on the host
 
     @property
     def enabled(self) -> bool:
@@ -107,7 +108,10 @@ def process_group(device: torch.device, strategy: str, timeout_s: float) -> Iter
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     side = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-    ctx = DistContext(dist.get_rank(), dist.get_world_size(), strategy, device, side)
+    # The loop's per-step collectives exchange host values: on a CPU group, reading them does not wait for the
+    # GPU's queued work, which an NCCL collective would (and then the GPU idles while the next step is prepared).
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    ctx = DistContext(dist.get_rank(), dist.get_world_size(), strategy, device, side, control)
     try:
         yield ctx
         # Leave together: a rank that tears gloo down while a peer is still writing the last
@@ -199,8 +203,8 @@ def sum_over_ranks(values: list[int], ctx: DistContext) -> list[int]:
     """Integer counts (e.g. a step's target tokens) summed over all ranks."""
     if not ctx.enabled:
         return values
-    t = torch.tensor(values, dtype=torch.int64, device=ctx.device)
-    dist.all_reduce(t)
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, group=ctx.control_group)
     return [int(v) for v in t.tolist()]
 
 
@@ -217,8 +221,8 @@ def any_rank(flag: bool, ctx: DistContext) -> bool:
     """True if `flag` is true on any rank, so that all ranks stop (Ctrl-C, time budget) at the same step."""
     if not ctx.enabled:
         return flag
-    t = torch.tensor([int(flag)], device=ctx.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.control_group)
     return bool(t)
 
 

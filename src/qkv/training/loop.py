@@ -69,7 +69,8 @@ class StepInfo:
     """One optimiser step, as the on_step hook sees it."""
 
     step: int
-    seconds: float  # wall-clock of the step: drawing batches, forward, backward, optimiser
+    seconds: float  # host wall-clock of the step (drawing batches, forward, backward, optimiser); on a GPU the
+    # loop does not wait for the device, so this is the time to queue the step: synchronise to time the GPU
     tokens: int  # tokens the step read, all processes together
 
 
@@ -131,6 +132,11 @@ def stored_run(task: type[Task], cfg: RunConfig) -> dict[str, Any]:
         raise QkvError(f"{cfg.out_dir} holds a {stored['task']} run; continue it with `qkv train {stored['task']} "
                        f"--resume --out-dir {cfg.out_dir}`")  # fmt: skip
     return stored
+
+
+def _mean(losses: list[torch.Tensor]) -> float:
+    """The mean of step losses held on the device, summed as Python floats (one wait for the device, here)."""
+    return sum(float(loss) for loss in losses) / len(losses)
 
 
 def split(examples: Sequence[Any], parts: int) -> list[Sequence[Any]]:
@@ -223,7 +229,7 @@ class _Trainer:
         if self.state.step >= self.cfg.max_steps:
             self.progress.log(f"the run is already at step {self.state.step} of --max-steps {self.cfg.max_steps}: "
                               "nothing to train (raise --max-steps to continue it)")  # fmt: skip
-        losses: list[float] = []
+        losses: list[torch.Tensor] = []  # each step's mean loss, on the device: read when shown or averaged
         interrupted = False
         dynamo = torch._dynamo.config.patch(fail_on_recompile_limit_hit=True) if self.cfg.compile else None
         with deferred_interrupt() as interrupt_requested, dynamo or contextlib.nullcontext():
@@ -242,11 +248,11 @@ class _Trainer:
                 out_of_time = self.cfg.max_time is not None and distributed.any_rank(
                     self.elapsed() >= self.cfg.max_time, self.ctx
                 )
-                self._show_progress(losses[-1], first_step, first_tokens)
+                self._show_progress(losses, first_step, first_tokens)
                 step = self.state.step
                 last = step == self.cfg.max_steps or out_of_time
                 if step % self.cfg.eval_interval == 0 or last:
-                    self._evaluate_and_checkpoint(sum(losses) / len(losses), full=last)
+                    self._evaluate_and_checkpoint(losses, full=last)
                     losses = []
                 if out_of_time:
                     self.progress.log(f"time budget of {self.cfg.max_time:g} s reached at step {step}")
@@ -257,8 +263,8 @@ class _Trainer:
             self.progress.close()
             return self._result(interrupted)
 
-    def _timed_step(self) -> float:
-        """One optimiser step, reported to the on_step hook; returns its mean training loss."""
+    def _timed_step(self) -> torch.Tensor:
+        """One optimiser step, reported to the on_step hook; returns its mean training loss (on the device)."""
         began, tokens_before = time.perf_counter(), self.state.tokens_seen
         loss = self._step()
         if self.hooks.on_step is not None:
@@ -266,16 +272,16 @@ class _Trainer:
             self.hooks.on_step(StepInfo(self.state.step, seconds, self.state.tokens_seen - tokens_before))
         return loss
 
-    def _step(self) -> float:
-        """Forward and backward over this rank's micro-batches, then one optimiser update."""
+    def _step(self) -> torch.Tensor:
+        """Forward and backward over this rank's micro-batches, then one optimiser update; returns the mean loss, a
+        0-d tensor on the device (reading it would make the host wait for the device at every step)."""
         cfg, ctx = self.cfg, self.ctx
         for group in self.optimizer.param_groups:
             group["lr"] = self.schedule.lr_at(self.state.step)
         batches = self._micro_batches()
         local = sum(b.n_targets for b in batches)
         total, tokens = distributed.sum_over_ranks([local, sum(b.n_tokens for b in batches)], ctx)
-        # Summed on the device, read once per step (not once per micro-batch: each read waits for the GPU), in
-        # float64 as a Python float would be (MPS has no float64).
+        # Summed on the device in float64, as a Python float would be (MPS has no float64).
         precise = torch.float32 if ctx.device.type == "mps" else torch.float64
         loss_sum = torch.zeros((), dtype=precise, device=ctx.device)
         for i, batch in enumerate(batches):
@@ -295,7 +301,7 @@ class _Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
         self.state.tokens_seen += tokens
-        return float(loss_sum) / local
+        return loss_sum / local
 
     def _micro_batches(self) -> list[Batch]:
         """This rank's micro-batches of the step: slices micro × world + rank of one global draw."""
@@ -304,13 +310,19 @@ class _Trainer:
         pieces = split(examples, world * accum)
         return [self.task.collate(pieces[m * world + self.ctx.rank], self.ctx.device) for m in range(accum)]
 
-    def _show_progress(self, loss: float, first_step: int, first_tokens: int) -> None:
-        """Redraw the progress bar: loss, tokens/s and the time left."""
+    def _show_progress(self, losses: list[torch.Tensor], first_step: int, first_tokens: int) -> None:
+        """Redraw the progress bar: loss, tokens/s and the time left. The loss is read only when the bar is drawn,
+        and on a GPU it is the step before the newest: reading that one never leaves the GPU idle while the host
+        prepares the next step, as waiting for the newest would."""
+        final = self.state.step >= self.cfg.max_steps
+        if not self.progress.due(final):
+            return
+        loss = losses[-2] if self.ctx.device.type == "cuda" and len(losses) > 1 and not final else losses[-1]
         run_time = time.monotonic() - self.start  # this session only: resumed steps were timed before
         steps = self.state.step - first_step
         tokens_per_s = (self.state.tokens_seen - first_tokens) / max(run_time, 1e-9)
         eta = (self.cfg.max_steps - self.state.step) * run_time / steps
-        self.progress.update_step(self.state.step, loss, tokens_per_s, eta)
+        self.progress.update_step(self.state.step, float(loss), tokens_per_s, eta)
 
     def _evaluate(self, full: bool) -> dict[str, float]:
         """The task's evaluation with dropout off, then back to training mode."""
@@ -320,17 +332,18 @@ class _Trainer:
         self.model.train()
         return results
 
-    def _evaluate_and_checkpoint(self, train_loss: float, full: bool) -> None:
+    def _evaluate_and_checkpoint(self, losses: list[torch.Tensor], full: bool) -> None:
         """Evaluate, log, keep the best weights, save everything needed to resume; timed apart from training.
 
-        full: the run's last evaluation, over the whole split even where periodic ones read a part of it.
+        losses: the steps' losses since the last evaluation. full: the run's last evaluation, over the whole split
+        even where periodic ones read a part of it.
         """
         if not self.hooks.evaluate:
             return
         began, train_s = time.monotonic(), self.elapsed() - self.state.overhead_s
         full = full or not self.task.partial_evaluation
         results = self._evaluate(full)
-        train_loss = distributed.mean_over_ranks(train_loss, self.ctx)
+        train_loss = distributed.mean_over_ranks(_mean(losses), self.ctx)
         row = {"step": self.state.step, "tokens_seen": self.state.tokens_seen, "elapsed_s": round(self.elapsed(), 3),
                "train_s": round(train_s, 3), "train_loss": train_loss, **results, "full_eval": full,
                "lr": self.schedule.lr_at(max(0, self.state.step - 1))}  # fmt: skip
@@ -379,11 +392,11 @@ class _Trainer:
         if pending is not None:
             pending.wait()
 
-    def _stop_cleanly(self, losses: list[float]) -> None:
+    def _stop_cleanly(self, losses: list[torch.Tensor]) -> None:
         """After Ctrl-C: checkpoint the steps taken since the last one, and say how to continue."""
         self.progress.close()
         if losses:
-            self._evaluate_and_checkpoint(sum(losses) / len(losses), full=True)
+            self._evaluate_and_checkpoint(losses, full=True)
         self._finish_save()
         if has_checkpoint(self.run_dir):
             hint = f"continue with --resume --out-dir {self.run_dir}"
