@@ -74,27 +74,7 @@ class MultiHeadAttention(nn.Module):
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise QkvError(f"attention input must be (B, T, d_model={self.d_model}), got {tuple(x.shape)}")
         b, t_q, _ = x.shape
-        q = self._split_heads(self.q_proj(x), self.n_heads)  # (B, H, T_q, D)
-        if context is None:  # self-attention: this step's tokens provide keys and values
-            k = self._split_heads(self.k_proj(x), self.n_kv_heads)  # (B, H_kv, T_q, D)
-            v = self._split_heads(self.v_proj(x), self.n_kv_heads)
-            if rope is not None:
-                cos, sin = rope
-                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            if cache is not None:
-                k, v = cache.append(k, v)  # (B, H_kv, T_past + T_q, D), in the cache's storage_dtype
-                q = q.to(k.dtype)
-        elif cache is not None and cache.length > 0:  # cross-attention, keys already computed
-            k, v = cache.keys_values()
-        else:
-            if context.dim() != 3 or context.shape[0] != b:
-                raise QkvError(
-                    f"context must be (B={b}, T_k, d_context) for cross-attention, got {tuple(context.shape)}"
-                )
-            k = self._split_heads(self.k_proj(context), self.n_kv_heads)
-            v = self._split_heads(self.v_proj(context), self.n_kv_heads)
-            if cache is not None:
-                cache.set(k, v)
+        q, k, v = self._queries_keys_values(x, context, cache, rope)
         if mask is not None and not 2 <= mask.dim() <= 4:
             raise QkvError(f"mask must broadcast to (B, H, T_q, T_k), got {mask.dim()} dims {tuple(mask.shape)}")
         group = self.n_heads // self.n_kv_heads  # query heads served by each K/V head
@@ -118,6 +98,34 @@ class MultiHeadAttention(nn.Module):
         context_vecs = context_vecs.to(x.dtype)
         # Concat(head_1, …, head_h): (B, H, T_q, D) → (B, T_q, H·D), then W_O.
         return self.out_proj(context_vecs.transpose(1, 2).reshape(b, t_q, self.n_heads * self.d_head))
+
+    def _queries_keys_values(self, x: Tensor, context: Tensor | None, cache: KVCache | None,
+                             rope: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        """q (B, H, T_q, D) from x; k, v (B, H_kv, T_k, D) from x (with the cache's past), from the context, or
+        from a cross-attention cache filled before."""
+        b = x.shape[0]
+        q = self._split_heads(self.q_proj(x), self.n_heads)  # (B, H, T_q, D)
+        if context is None:  # self-attention: this step's tokens provide keys and values
+            k = self._split_heads(self.k_proj(x), self.n_kv_heads)  # (B, H_kv, T_q, D)
+            v = self._split_heads(self.v_proj(x), self.n_kv_heads)
+            if rope is not None:
+                cos, sin = rope
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            if cache is not None:
+                k, v = cache.append(k, v)  # (B, H_kv, T_past + T_q, D), in the cache's storage_dtype
+                q = q.to(k.dtype)
+        elif cache is not None and cache.length > 0:  # cross-attention, keys already computed
+            k, v = cache.keys_values()
+        else:
+            if context.dim() != 3 or context.shape[0] != b:
+                raise QkvError(
+                    f"context must be (B={b}, T_k, d_context) for cross-attention, got {tuple(context.shape)}"
+                )
+            k = self._split_heads(self.k_proj(context), self.n_kv_heads)
+            v = self._split_heads(self.v_proj(context), self.n_kv_heads)
+            if cache is not None:
+                cache.set(k, v)
+        return q, k, v
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         """An empty KV cache for this layer's keys and values."""
