@@ -10,8 +10,8 @@
 # Stages (benchmarks/gpu_check.py STAGE), each under its own timeout: env (torch, CUDA, the device, its bf16
 # matmul peak), tests (pytest -m cuda tests/test_cuda.py), throughput (GPT-2 124M's shape, bf16, torch.compile,
 # MFU), attention (flash attention at T = 8,192 and 32,768: time, memory, their ratio), decode (tok/s against
-# transformers) and fsdp (3 FSDP2 steps on a process group of one, built on the meta device, eager and then
-# compiled). The output also goes to $OUT/gpu_check.log
+# transformers) and fsdp (3 FSDP2 steps on a process group of one, built on the meta device: float32 equal
+# to one process; bf16 eager and compiled). The output also goes to $OUT/gpu_check.log
 # (a temporary directory's without $OUT). PYTHON picks the interpreter (default: .venv/bin/python, else python3).
 # GPU_CHECK_BUDGET (seconds, default 300) caps the whole run: a stage gets at most what is left of it, one that
 # would start with under 10 s left is skipped, and the table is always printed.
@@ -44,7 +44,7 @@ export QKV_CACHE_DIR="$work/qkv-cache"  # the corpus cache of this check alone (
 export MPLBACKEND=Agg
 
 # The stages' seconds: generous against the typical ones (env 15, tests 90, throughput 80, attention 15,
-# decode 40, fsdp 25 on an H100), so one slow stage cannot eat the whole call. A dry run is all-CPU and tiny.
+# decode 30, fsdp 45 on an H100), so one slow stage cannot eat the whole call. A dry run is all-CPU and tiny.
 declare -A limit=([env]=60 [tests]=180 [throughput]=180 [attention]=90 [decode]=120 [fsdp]=120)
 rows=()
 

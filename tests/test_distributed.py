@@ -35,7 +35,14 @@ from qkv.models import DecoderLM
 from qkv.tasks import load, train
 from qkv.tasks.lm import LMConfig
 from qkv.training import evaluate_loss, evaluate_sums
-from qkv.training.distributed import DistContext, gradient_sync, wrap_model
+from qkv.training.distributed import (
+    DistContext,
+    any_rank,
+    gradient_sync,
+    join_groups,
+    sum_over_ranks,
+    wrap_model,
+)
 
 
 def _config(corpus: Path, out: Path, batch_size: int, **overrides: Any) -> LMConfig:
@@ -172,6 +179,21 @@ def group_of_one(tmp_path: Path) -> Iterator[None]:
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_loops_per_step_collectives_get_host_groups_of_their_own(tmp_path: Path) -> None:
+    """join_groups: the checkpoint and control groups are gloo groups beside the default one, so the loop's
+    per-step counts and stop flags (CPU tensors) never go through nccl, which cannot take them."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    side, control = join_groups("gloo", 60, store=store, rank=0, world_size=1)
+    try:
+        assert side is not control and dist.group.WORLD not in (side, control)
+        assert dist.get_backend(side) == dist.get_backend(control) == "gloo"
+        ctx = DistContext(0, 2, "ddp", torch.device("cpu"), side, control)  # "of 2": the collectives run
+        assert any_rank(True, ctx) and not any_rank(False, ctx)
+        assert sum_over_ranks([7, 3], ctx) == [7, 3]
     finally:
         dist.destroy_process_group()
 

@@ -82,6 +82,16 @@ class DistContext:
         return self.enabled and self.strategy == "fsdp"
 
 
+def join_groups(backend: str, timeout_s: float, **init: Any) -> tuple[Any, Any]:
+    """Join the default process group, then make the run's two gloo groups: (checkpoint_group, control_group)."""
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **init)
+    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    # The loop's per-step collectives exchange host values: on a CPU group, reading them does not wait for the
+    # GPU's queued work, which an NCCL collective would (and then the GPU idles while the next step is prepared).
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    return side, control
+
+
 @contextlib.contextmanager
 def process_group(device: torch.device, strategy: str, timeout_s: float) -> Iterator[DistContext]:
     """Join the launcher's process group for the duration of a run (nothing to join with one process).
@@ -105,12 +115,7 @@ def process_group(device: torch.device, strategy: str, timeout_s: float) -> Iter
         torch.cuda.set_device(device)
     elif device.type != "cpu":
         raise QkvError(f"distributed training runs on cpu (gloo) or cuda (nccl), not {device.type}")
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-    # The loop's per-step collectives exchange host values: on a CPU group, reading them does not wait for the
-    # GPU's queued work, which an NCCL collective would (and then the GPU idles while the next step is prepared).
-    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    side, control = join_groups("nccl" if device.type == "cuda" else "gloo", timeout_s)
     ctx = DistContext(dist.get_rank(), dist.get_world_size(), strategy, device, side, control)
     try:
         yield ctx
