@@ -119,20 +119,7 @@ def scaled_dot_product_attention(
     if scale is None:
         scale = q.shape[-1] ** -0.5
     use_reference = recorder is not None or backend == "reference"
-    if causal and t_q == 1:
-        causal = False  # the single newest query sees every key: nothing to mask
-    # A square causal mask alone goes to PyTorch's dedicated causal kernel; anything else is explicit.
-    fused_is_causal = causal and mask is None and t_q == t_k and not use_reference
-    if causal and not fused_is_causal:
-        tri = causal_mask(t_q, t_k, device=q.device)  # (T_q, T_k)
-        mask = tri if mask is None else mask & tri
-    # A query with no visible key would take a softmax over nothing (NaN). Let it see every key,
-    # then zero its output: no NaN forward or backward, and no host sync to find such rows.
-    row_visible = None
-    if mask is not None:
-        row_visible = mask.any(dim=-1, keepdim=True)  # (..., T_q, 1)
-        mask = mask | ~row_visible
-
+    mask, fused_is_causal, row_visible = _combined_mask(mask, causal, t_q, t_k, use_reference, q.device)
     if not use_reference:
         context = _fused_attention(q, k, v, mask, fused_is_causal, scale, dropout_p)
         return context if row_visible is None else context * row_visible
@@ -145,6 +132,25 @@ def scaled_dot_product_attention(
         attn_weights = F.dropout(attn_weights, p=dropout_p)
     context = attn_weights @ v  # (..., T_q, d_v): each query's weighted mix of the values
     return context
+
+
+def _combined_mask(mask: Tensor | None, causal: bool, t_q: int, t_k: int, use_reference: bool,
+                   device: torch.device) -> tuple[Tensor | None, bool, Tensor | None]:  # fmt: skip
+    """(mask with the causal triangle in it unless the fused causal kernel takes it, that kernel's flag, and
+    which query rows see any key at all (None without a mask))."""
+    if causal and t_q == 1:
+        causal = False  # the single newest query sees every key: nothing to mask
+    # A square causal mask alone goes to PyTorch's dedicated causal kernel; anything else is explicit.
+    fused_is_causal = causal and mask is None and t_q == t_k and not use_reference
+    if causal and not fused_is_causal:
+        tri = causal_mask(t_q, t_k, device=device)  # (T_q, T_k)
+        mask = tri if mask is None else mask & tri
+    if mask is None:
+        return None, fused_is_causal, None
+    # A query with no visible key would take a softmax over nothing (NaN). Let it see every key,
+    # then zero its output: no NaN forward or backward, and no host sync to find such rows.
+    row_visible = mask.any(dim=-1, keepdim=True)  # (..., T_q, 1)
+    return mask | ~row_visible, fused_is_causal, row_visible
 
 
 def _grouped_kernel(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None,

@@ -131,6 +131,18 @@ def greedy_decode(
 
 @torch.no_grad()
 @cpu_threads(1)  # a step multiplies tiny matrices (B × d_model): a second thread only waits (io.devices)
+def _extensions(logp: Tensor, scores: Tensor, lengths: Tensor, finished: Tensor,
+                pad: int) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """log P (B, K, V) of every one-token extension of each hypothesis, and their lengths (B, K).
+
+    A finished hypothesis has exactly one continuation, padding, at no cost, and its length stays.
+    """
+    frozen = torch.full_like(logp[0, 0], -torch.inf)
+    frozen[pad] = 0.0
+    logp = torch.where(finished[..., None], frozen, logp)
+    return scores[..., None] + logp, lengths + (~finished).long()
+
+
 def beam_search(
     model: Transformer,
     src: Tensor,
@@ -170,13 +182,8 @@ def beam_search(
             coverage = coverage + attn.view(b, k, -1).masked_fill(finished[..., None], 0.0)
         else:
             step_logp = stepper.log_probs(tokens)
-        logp = step_logp.view(b, k, -1)  # (B, K, V)
-        vocab = logp.shape[-1]
-        frozen = torch.full_like(logp[0, 0], -torch.inf)
-        frozen[sp.pad] = 0.0  # a finished hypothesis has exactly one continuation, at no cost
-        logp = torch.where(finished[..., None], frozen, logp)
-        candidates = scores[..., None] + logp  # (B, K, V)
-        new_lengths = lengths + (~finished).long()  # (B, K)
+        candidates, new_lengths = _extensions(step_logp.view(b, k, -1), scores, lengths, finished, sp.pad)
+        vocab = candidates.shape[-1]
         ranked = candidates / gnmt_length_penalty(new_lengths, length_penalty)[..., None]
         if coverage_penalty:
             ranked = ranked + gnmt_coverage_penalty(coverage, src_pad, coverage_penalty)[..., None]
@@ -193,7 +200,6 @@ def beam_search(
         if bool(finished.all()):
             break
     final = scores / gnmt_length_penalty(lengths, length_penalty)  # (B, K)
-    if coverage_penalty:
-        final = final + gnmt_coverage_penalty(coverage, src_pad, coverage_penalty)
+    final = final + (gnmt_coverage_penalty(coverage, src_pad, coverage_penalty) if coverage_penalty else 0.0)
     winners = (offsets.view(-1) + final.argmax(dim=-1)).view(-1)  # (B,)
     return _strip(tokens[winners], sp)
