@@ -146,6 +146,16 @@ def test_beam_of_one_is_greedy(copy_run: ToyResult) -> None:
     assert beam_search(untrained, src, SP, beam_size=1, max_len=12) == greedy_decode(untrained, src, SP, max_len=12)
 
 
+@pytest.mark.parametrize("decode", [greedy_decode, beam_search])
+def test_decoding_builds_no_graph_on_one_thread(decode: Any) -> None:
+    """Each decoding step runs without autograd and on one CPU thread (tiny B × d_model products)."""
+    model, seen = toy_model().eval(), []
+    for module in model.modules():  # the decoders call the model's parts, not its forward
+        module.register_forward_hook(lambda *_: seen.append((torch.is_grad_enabled(), torch.get_num_threads())))
+    decode(model, _mixed_sources(2), SP, max_len=3)
+    assert seen and set(seen) == {(False, 1)}
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.5])
 @pytest.mark.parametrize("which", ["trained", "untrained"])
 def test_batched_beam_equals_one_by_one(copy_run: ToyResult, which: str, beta: float) -> None:

@@ -129,8 +129,6 @@ def greedy_decode(
     return _strip(tokens, sp)
 
 
-@torch.no_grad()
-@cpu_threads(1)  # a step multiplies tiny matrices (B × d_model): a second thread only waits (io.devices)
 def _extensions(logp: Tensor, scores: Tensor, lengths: Tensor, finished: Tensor,
                 pad: int) -> tuple[Tensor, Tensor]:  # fmt: skip
     """log P (B, K, V) of every one-token extension of each hypothesis, and their lengths (B, K).
@@ -143,6 +141,8 @@ def _extensions(logp: Tensor, scores: Tensor, lengths: Tensor, finished: Tensor,
     return scores[..., None] + logp, lengths + (~finished).long()
 
 
+@torch.no_grad()
+@cpu_threads(1)  # a step multiplies tiny matrices (B × d_model): a second thread only waits (io.devices)
 def beam_search(
     model: Transformer,
     src: Tensor,
