@@ -141,6 +141,17 @@ def test_cpu_allocator_runs_both_settings_in_their_own_processes(capsys: pytest.
     assert len(faults) == 2 and faults[1] < faults[0]  # glibc's defaults first, keep_freed_memory second
 
 
+def test_chat_turns_reads_only_what_each_turn_adds(capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/chat_turns.py on SmolLM2, 2 turns of 4 tokens: the same replies, and turn 2 reads fewer tokens
+    with the kept cache than its prompt holds."""
+    _script("chat_turns").main(["--turns", "2", "--max-new-tokens", "4", "--repeats", "1", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "the same replies with and without the kept cache: True" in out
+    turn2 = next(line for line in out.splitlines() if line.startswith("| 2 |")).split("|")
+    prompt, kept, again = (int(turn2[i]) for i in (2, 3, 4))
+    assert kept < prompt == again
+
+
 def _script(name: str) -> Any:
     """benchmarks/<name>.py imported as a module (its __main__ guard stays closed)."""
     import importlib.util

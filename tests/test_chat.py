@@ -149,6 +149,53 @@ def test_the_history_drops_its_oldest_exchanges_to_fit_the_context(smollm2: Any)
     assert session.history == []
 
 
+def _turns(session: ChatSession, messages: list[str]) -> tuple[list[list[int]], list[int]]:
+    """Each message's greedy reply, and the tokens the model read in each turn's first forward pass."""
+    replies, reads = [], []
+    handle = session.model.register_forward_pre_hook(lambda _, args: reads.append(args[0].shape[1]))
+    try:
+        for text in messages:
+            before = len(reads)
+            replies.append(list(session.say(text)[0]))
+            reads[before + 1 :] = []  # keep the turn's first pass: the prompt (or what the cache lacks of it)
+    finally:
+        handle.remove()
+    return replies, reads
+
+
+def test_a_turn_reads_only_what_its_prompt_adds_and_replies_as_from_scratch(smollm2: Any) -> None:
+    """The KV cache outlives a turn: later turns read only their new tokens, and every reply equals that of a
+    session that reads the whole conversation each turn; also after a reply stopped inside a forward pass."""
+    tokenizer, template = smollm2
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderLMConfig(vocab_size=tokenizer.vocab_size, d_model=32, n_layers=2, n_heads=4,
+                                      n_kv_heads=2, positions="rotary", max_positions=512)).eval()  # fmt: skip
+    messages = ["Hello there!", "What is the capital of France?", "And of Italy? Answer briefly."]
+    sessions = [ChatSession(model, tokenizer, template, GREEDY, max_new_tokens=12, system="Be brief.",
+                            reuse_cache=reuse) for reuse in (True, False)]  # fmt: skip
+    (cached, cached_reads), (fresh, fresh_reads) = (_turns(s, messages) for s in sessions)
+    assert cached == fresh and cached_reads[0] == fresh_reads[0]
+    # A session without reuse reads each whole prompt; one with it never reads the last prompt again (bar its
+    # last token, whose logits gave the reply's first). A reply is read again only where it re-tokenizes otherwise
+    # than it was sampled, as this random model's replies do at their first token.
+    turns = zip(cached_reads[1:], fresh_reads[1:], fresh_reads[:-1], strict=True)
+    assert all(c <= f - before + 1 for c, f, before in turns), (cached_reads, fresh_reads)
+
+    def stop_in_the_second_layer(*_: Any) -> None:
+        raise KeyboardInterrupt  # Ctrl-C inside a forward pass: the first layer has cached the new tokens already
+
+    handle = model.decoder.layers[1].register_forward_pre_hook(stop_in_the_second_layer)
+    for session in sessions:
+        with pytest.raises(KeyboardInterrupt):
+            list(session.say("Tell me a story.")[0])
+    handle.remove()
+    assert sessions[0].history == sessions[1].history  # the stopped turn recorded an empty reply in both
+    after = [_turns(s, ["Another question?"])[0] for s in sessions]
+    assert after[0] == after[1]
+    sessions[0].reset()
+    assert _turns(sessions[0], messages[:1]) == (cached[:1], cached_reads[:1])  # reset: read from the start
+
+
 # --- conversation files, refused line by line --------------------------------------------------------------
 
 BAD = [

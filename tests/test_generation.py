@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qkv import DecoderLM, DecoderLMConfig, QkvError
+from qkv.attention import LayerCache
 from qkv.generation import Sampling, filter_logits, generate, next_token_probs, sample_next, stream
 
 
@@ -79,6 +80,35 @@ def test_generation_past_max_positions_crops_the_context_identically() -> None:
     with torch.no_grad():
         last = model(cached[:, -25:-1])[:, -1].argmax(-1)  # the last token saw only the last 24 tokens
     assert torch.equal(last, cached[:, -1])
+
+
+@pytest.mark.parametrize("new_tokens", [3, 10])  # 10: the context (24) fills, and the caller's cache restarts
+def test_a_cache_that_holds_the_prompts_start_reads_only_the_rest(new_tokens: int) -> None:
+    """stream(cache=…) with the keys of the prompt's first 12 tokens: the tokens of a run from scratch, and the
+    first forward pass reads the other 8 only."""
+    model = tiny_lm("rotary", n_kv_heads=2)
+    prompt = torch.randint(0, 13, (1, 20), generator=torch.Generator().manual_seed(1))
+    cache = model.new_cache(8)
+    with torch.no_grad():
+        model(prompt[:, :12], cache=cache)
+    reads: list[int] = []
+    handle = model.register_forward_pre_hook(lambda _, args: reads.append(args[0].shape[1]))
+    try:
+        resumed = torch.stack(list(stream(model, prompt, new_tokens, Sampling(temperature=0.0), cache=cache)), 1)
+    finally:
+        handle.remove()
+    fresh = generate(model, prompt, new_tokens, Sampling(temperature=0.0), use_cache=False)[:, 20:]
+    assert torch.equal(resumed, fresh) and reads[0] == 8
+    with pytest.raises(QkvError, match="the cache holds 20 tokens of a 20-token prompt"):
+        stream(model, prompt, 1, cache=_held(model, 20))
+
+
+def _held(model: DecoderLM, n: int) -> list[LayerCache]:
+    """A cache of `model` holding n tokens."""
+    cache = model.new_cache(n)
+    with torch.no_grad():
+        model(torch.zeros(1, n, dtype=torch.int64), cache=cache)
+    return cache
 
 
 @pytest.mark.parametrize("use_cache", [True, False])

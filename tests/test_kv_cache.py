@@ -11,8 +11,10 @@ from qkv.attention import (
     KVCache,
     LayerCache,
     cache_length,
+    crop_cache,
     new_cache,
     reorder_cache,
+    settled_length,
     storage_dtype,
 )
 from qkv.positional import RotaryEmbedding
@@ -59,6 +61,23 @@ def test_cache_helpers() -> None:
     for c in caches:
         assert torch.equal(c.self_attn.keys_values()[0][:, 0, :, 0], torch.tensor([[3.0, 4, 5], [3, 4, 5]]))
         assert torch.equal(c.cross_attn.keys_values()[0][:, 0, :, 0], torch.tensor([[2.0, 3], [2, 3]]))
+
+
+def test_a_cropped_cache_keeps_its_start_and_appends_after_it() -> None:
+    """crop_cache keeps the first n tokens in every layer; settled_length crops layers a stopped pass left ahead."""
+    caches = new_cache(2, capacity=8)
+    k = torch.arange(5.0).reshape(1, 1, 5, 1)
+    for c in caches:
+        c.self_attn.append(k, -k)
+    crop_cache(caches, 3)
+    assert cache_length(caches) == 3
+    caches[0].self_attn.append(torch.full((1, 1, 2, 1), 9.0), torch.zeros(1, 1, 2, 1))  # layer 0 ran, layer 1 not
+    assert settled_length(caches) == 3 and [c.self_attn.length for c in caches] == [3, 3]
+    for c in caches:
+        keys, values = c.self_attn.append(torch.full((1, 1, 1, 1), 7.0), torch.ones(1, 1, 1, 1))
+        assert keys.flatten().tolist() == [0.0, 1.0, 2.0, 7.0] and values.flatten().tolist() == [-0.0, -1, -2, 1]
+    crop_cache(caches, 10)  # longer than held: nothing changes
+    assert cache_length(caches) == 4
 
 
 @pytest.mark.parametrize("n_kv_heads", [4, 2, 1])

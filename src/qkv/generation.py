@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from qkv.attention import LayerCache
+from qkv.attention import LayerCache, cache_length, crop_cache
 from qkv.errors import QkvError
 
 
@@ -95,38 +95,47 @@ def stream(
     sampling: Sampling = Sampling(),
     eos_id: int | None = None,
     use_cache: bool = True,
+    cache: list[LayerCache] | None = None,
 ) -> Iterator[Tensor]:
     """Yield the next token ids (B,) step by step; rows that produced eos_id keep yielding eos_id.
 
     Sequences longer than the model's context (cfg.max_positions) are cropped to their last tokens,
     and the cache is rebuilt from that window, so cached and uncached runs stay identical.
+    cache: a cache of the model's that already holds the keys and values of ids' first tokens (a conversation's
+    earlier turns); generation reads only the rest of ids, and appends to it in place.
     Bad arguments raise QkvError here, at the call, not at the first next().
     """
     if max_new_tokens < 0:
         raise QkvError(f"max_new_tokens must be ≥ 0, got {max_new_tokens}")
     if ids.dim() != 2 or ids.shape[1] == 0:
         raise QkvError(f"the prompt must be a non-empty (B, T) tensor of ids, got shape {tuple(ids.shape)}")
-    return _stream(model, ids, max_new_tokens, sampling, eos_id, use_cache)
+    if cache_length(cache) >= ids.shape[1]:
+        raise QkvError(f"the cache holds {cache_length(cache)} tokens of a {ids.shape[1]}-token prompt; it must "
+                       "hold fewer, so that at least the prompt's last token is read")  # fmt: skip
+    if cache is None and use_cache:  # preallocated for the whole generation: it never regrows (and copies)
+        limit = getattr(getattr(model, "cfg", None), "max_positions", None) or 1 << 30
+        cache = model.new_cache(min(limit, ids.shape[1] + max_new_tokens))
+    return _stream(model, ids, max_new_tokens, sampling, eos_id, cache)
 
 
 @torch.inference_mode()  # like no_grad, minus autograd's version counters and view tracking
 def _stream(
-    model: CausalLM, ids: Tensor, max_new_tokens: int, sampling: Sampling, eos_id: int | None, use_cache: bool
-) -> Iterator[Tensor]:
-    """The generator behind stream (arguments already validated)."""
+    model: CausalLM, ids: Tensor, max_new_tokens: int, sampling: Sampling, eos_id: int | None,
+    cache: list[LayerCache] | None,
+) -> Iterator[Tensor]:  # fmt: skip
+    """The generator behind stream (arguments already validated; cache None: none)."""
     limit = getattr(getattr(model, "cfg", None), "max_positions", None) or 1 << 30
     generator = sampling.generator(ids.device)
     finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-    # Preallocated for the whole generation: the cache never regrows (and copies) on the way.
-    capacity = min(limit, ids.shape[1] + max_new_tokens)
-    cache = model.new_cache(capacity) if use_cache else None
-    cached = 0  # tokens the cache holds; counted here so any cache object the model returns will do
     seq = ids
-    next_input = ids[:, -limit:]
+    cached = cache_length(cache)  # tokens the cache holds
+    next_input = ids[:, cached:]
     for _ in range(max_new_tokens):
         if cache is not None and cached + next_input.shape[1] > limit:
-            cache, cached = model.new_cache(capacity), 0  # context full: re-read the last `limit` tokens
-            next_input = seq[:, -limit:]
+            crop_cache(cache, 0)  # context full: re-read the last `limit` tokens
+            cached, next_input = 0, seq[:, -limit:]
+        elif cache is None:
+            next_input = next_input[:, -limit:]
         logits = model(next_input, cache=cache)[:, -1]  # (B, V)
         cached += next_input.shape[1]
         token = sample_next(logits, sampling, generator)

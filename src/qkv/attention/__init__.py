@@ -1,7 +1,16 @@
 """Attention: scaled dot-product attention, masks, multi-head / grouped-query / latent attention, KV caches,
 and recording the attention weights."""
 
-from qkv.attention.cache import KVCache, LayerCache, cache_length, new_cache, reorder_cache, storage_dtype
+from qkv.attention.cache import (
+    KVCache,
+    LayerCache,
+    cache_length,
+    crop_cache,
+    new_cache,
+    reorder_cache,
+    settled_length,
+    storage_dtype,
+)
 from qkv.attention.latent import LatentAttention, LatentKVCache, set_absorb
 from qkv.attention.masks import (
     causal_mask,
@@ -25,6 +34,7 @@ __all__ = [
     "cache_length",
     "causal_mask",
     "combine_masks",
+    "crop_cache",
     "new_cache",
     "padding_mask_from_ids",
     "padding_mask_from_lengths",
@@ -32,6 +42,7 @@ __all__ = [
     "reorder_cache",
     "scaled_dot_product_attention",
     "set_absorb",
+    "settled_length",
     "sliding_window_mask",
     "storage_dtype",
 ]

@@ -69,6 +69,10 @@ class KVCache:
         assert self._k is not None and self._v is not None, "empty KV cache"
         return self._k[:, :, : self.length], self._v[:, :, : self.length]
 
+    def crop(self, length: int) -> None:
+        """Keep the first `length` cached tokens (the buffer stays, so appends after it reuse it)."""
+        self.length = min(self.length, max(length, 0))
+
     def reorder(self, index: Tensor) -> None:
         """Keep batch rows `index` (in that order): beam search reshuffles hypotheses each step."""
         if self._k is not None and self._v is not None:
@@ -101,6 +105,20 @@ def cache_length(cache: list[LayerCache] | None) -> int:
     return 0 if not cache else cache[0].self_attn.length
 
 
+def crop_cache(cache: list[LayerCache], length: int) -> None:
+    """Keep the first `length` tokens in every layer's self-attention cache (a conversation's shared prefix)."""
+    for layer in cache:
+        layer.self_attn.crop(length)
+
+
+def settled_length(cache: list[LayerCache]) -> int:
+    """The tokens every layer holds, after cropping any layer that holds more (a forward pass stopped midway,
+    by Ctrl-C, leaves the first layers one step ahead of the rest)."""
+    length = min((layer.self_attn.length for layer in cache), default=0)
+    crop_cache(cache, length)
+    return length
+
+
 def reorder_cache(cache: list[LayerCache], index: Tensor) -> None:
     """Keep batch rows `index` in every layer's self- and cross-attention caches (beam search)."""
     for layer in cache:
@@ -108,4 +126,5 @@ def reorder_cache(cache: list[LayerCache], index: Tensor) -> None:
         layer.cross_attn.reorder(index)
 
 
-__all__ = ["KVCache", "LayerCache", "cache_length", "new_cache", "reorder_cache", "storage_dtype"]
+__all__ = ["KVCache", "LayerCache", "cache_length", "crop_cache", "new_cache", "reorder_cache", "settled_length",
+           "storage_dtype"]

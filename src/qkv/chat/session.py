@@ -3,6 +3,10 @@ the reply streamed token by token (KV cache) until the end-of-turn token.
 
 When the rendered history and the room for a reply no longer fit the model's context, the oldest exchanges are
 dropped (the system message stays), and the session says how many; a single message too long to fit is refused.
+
+The KV cache outlives a turn. Each prompt re-renders the whole conversation, but its keys and values up to the
+end of the last reply are already cached, so a turn reads only its new tokens (the end of the last turn, the
+user's message, the assistant's header), as llama.cpp's server reuses a prompt's cached prefix.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qkv.attention import LayerCache, crop_cache, settled_length
 from qkv.chat.data import end_of_turn
 from qkv.chat.template import ChatTemplate, Message
 from qkv.errors import QkvError
@@ -39,10 +44,13 @@ class ChatSession:
     system: str | None = None  # None: the template's own default, if it has one
     history: list[Message] = field(default_factory=list)
     dropped: int = 0  # exchanges dropped from the front so far, to fit the context
+    reuse_cache: bool = True  # keep the KV cache across turns: a turn reads only what its prompt adds
+    _cache: list[LayerCache] | None = field(default=None, init=False, repr=False)
+    _cached: list[int] = field(default_factory=list, init=False, repr=False)  # the ids whose keys _cache holds
 
     def reset(self) -> None:
         """Forget the conversation (the system message stays)."""
-        self.history, self.dropped = [], 0
+        self.history, self.dropped, self._cached = [], 0, []
 
     def messages(self) -> list[Message]:
         """The system message (if set) and the history."""
@@ -84,13 +92,33 @@ class ChatSession:
         """Stream the reply's tokens (stop tokens excluded), then record it."""
         device = next(self.model.parameters()).device
         prompt = torch.tensor([ids], dtype=torch.int64, device=device)
-        stops, said = stop_ids(self.tokenizer), []
+        stops, said, seen = stop_ids(self.tokenizer), [], list(ids)
         try:
-            for step in stream(self.model, prompt, self.max_new_tokens, self.sampling):
+            for step in stream(self.model, prompt, self.max_new_tokens, self.sampling, cache=self._prefix_cache(ids)):
                 token = int(step[0])
+                seen.append(token)
                 if token in stops:
                     return
                 said.append(token)
                 yield token
         finally:
             self.history.append({"role": "assistant", "content": self.tokenizer.decode(said)})
+            if self._cache is not None:
+                self._cached = seen[: settled_length(self._cache)]
+
+    def _prefix_cache(self, ids: list[int]) -> list[LayerCache] | None:
+        """The session's cache, cropped to the longest start that ids share with what it holds (None: no reuse).
+
+        The template renders the earlier turns as they were, so a new turn's prompt usually starts with the last
+        one's prompt and reply; a reply that tokenizes differently when re-read, a dropped exchange or a new system
+        message shortens the shared start, and only what follows it is read again.
+        """
+        if not self.reuse_cache:
+            return None
+        if self._cache is None:  # it grows (doubling) as the conversation does
+            self._cache = self.model.new_cache(min(self.model.cfg.max_positions, len(ids) + self.max_new_tokens))
+        shared = next((i for i, (a, b) in enumerate(zip(self._cached, ids, strict=False)) if a != b),
+                      min(len(self._cached), len(ids)))  # fmt: skip
+        shared = min(shared, len(ids) - 1)  # the prompt's last token is read again: its logits give the reply's first
+        crop_cache(self._cache, shared)
+        return self._cache
