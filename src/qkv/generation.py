@@ -129,13 +129,11 @@ def _stream(
     finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     seq = ids
     cached = cache_length(cache)  # tokens the cache holds
-    next_input = ids[:, cached:]
+    next_input = ids[:, cached:] if cache is not None else ids[:, -limit:]
     for _ in range(max_new_tokens):
         if cache is not None and cached + next_input.shape[1] > limit:
             crop_cache(cache, 0)  # context full: re-read the last `limit` tokens
             cached, next_input = 0, seq[:, -limit:]
-        elif cache is None:
-            next_input = next_input[:, -limit:]
         logits = model(next_input, cache=cache)[:, -1]  # (B, V)
         cached += next_input.shape[1]
         token = sample_next(logits, sampling, generator)
