@@ -3,18 +3,30 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
 
 from qkv.attention import record_attention
 from qkv.cli import main
+from qkv.models import ModelConfig
+
+M = TypeVar("M", bound=ModelConfig)
+
+
+def model_cfg(cls: type[M], **settings: Any) -> M:
+    """A model config from short settings: the model's own fields, then any other setting (a path, a stack's or a
+    block's field, or a flat key of configs before component configs) laid over them."""
+    own = {f.name for f in dataclasses.fields(cls)}
+    base = cls(**{k: v for k, v in settings.items() if k in own})
+    return base.override({k: v for k, v in settings.items() if k not in own})
 
 
 @contextlib.contextmanager

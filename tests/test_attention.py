@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from helpers import with_weights
+from helpers import model_cfg, with_weights
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
@@ -378,11 +378,10 @@ def test_two_threads_record_the_same_model_at_once() -> None:
     import threading
 
     from qkv.attention import record_attention
-    from qkv.config import DecoderLMConfig
-    from qkv.models import DecoderLM
+    from qkv.models import DecoderLM, DecoderLMConfig
 
     torch.manual_seed(0)
-    model = DecoderLM(DecoderLMConfig(vocab_size=50, d_model=32, n_heads=2, n_layers=3, max_positions=64)).eval()
+    model = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=50, d_model=32, n_heads=2, n_layers=3, max_positions=64)).eval()
     inputs = [torch.randint(0, 50, (1, 40)), torch.randint(0, 50, (1, 24))]
     with record_attention(model) as alone:
         model(inputs[0])

@@ -11,16 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import one_thread, tiny_data, tiny_settings
+from helpers import model_cfg, one_thread, tiny_data, tiny_settings
 
-from qkv.config import DecoderLMConfig
 from qkv.data import load_shakespeare
 from qkv.data.cache import open_text, prepared
 from qkv.data.options import TokenizerRecipe
 from qkv.errors import QkvError
 from qkv.evals.bpb import MAX_BLOCK, bpb_of, default_text, text_bpb
 from qkv.evals.models import EvalModel
-from qkv.models import DecoderLM
+from qkv.models import DecoderLM, DecoderLMConfig
 from qkv.tasks import train
 from qkv.tasks.base import EvalOptions
 from qkv.tasks.lm import LMRun
@@ -35,7 +34,7 @@ BLOCK = 16
 def _model(vocab_size: int, max_positions: int = BLOCK) -> DecoderLM:
     """A random one-layer model (its losses differ token by token, which is all the sums need)."""
     torch.manual_seed(0)
-    cfg = DecoderLMConfig(vocab_size=vocab_size, max_positions=max_positions, n_layers=1, d_model=32, n_heads=2,
+    cfg = model_cfg(DecoderLMConfig, vocab_size=vocab_size, max_positions=max_positions, n_layers=1, d_model=32, n_heads=2,
                           dropout=0.0)  # fmt: skip
     return DecoderLM(cfg).eval()
 

@@ -17,17 +17,17 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import run_main, subprocess_env, tiny_data, tiny_settings
+from helpers import model_cfg, run_main, subprocess_env, tiny_data, tiny_settings
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from qkv import DecoderLM
 from qkv.chat import ChatExamples, ChatSession, ChatTemplate, encode_chat, end_of_turn
 from qkv.chat.examples import IGNORE
-from qkv.config import DecoderLMConfig
 from qkv.errors import QkvError
 from qkv.extras import package_file
 from qkv.generation import GREEDY
+from qkv.models import DecoderLMConfig
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # A ChatML-like template for models without one (the tiny BPE runs): the end-of-text token ends each turn.
@@ -110,7 +110,7 @@ def test_the_mask_is_exact_for_any_text(smollm2: Any, turns: list[tuple[str, str
 
 
 def test_a_padded_batch_loss_is_the_mean_over_every_assistant_token() -> None:
-    model = DecoderLM(DecoderLMConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_positions=64)).eval()
+    model = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_positions=64)).eval()
     gen = torch.Generator().manual_seed(0)
     ids = [torch.randint(50, (n,), generator=gen).tolist() for n in (9, 20, 14)]
     masks = [[j % 3 != 0 for j in range(len(i))] for i in ids]
@@ -129,7 +129,7 @@ def test_a_padded_batch_loss_is_the_mean_over_every_assistant_token() -> None:
 
 def test_the_history_drops_its_oldest_exchanges_to_fit_the_context(smollm2: Any) -> None:
     tokenizer, template = smollm2
-    model = DecoderLM(DecoderLMConfig(vocab_size=tokenizer.vocab_size, d_model=16, n_layers=1, n_heads=2,
+    model = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=tokenizer.vocab_size, d_model=16, n_layers=1, n_heads=2,
                                       max_positions=64))  # fmt: skip
     session = ChatSession(model, tokenizer, template, GREEDY, max_new_tokens=4, system="Be brief.")
     for _ in range(3):
@@ -168,7 +168,7 @@ def test_a_turn_reads_only_what_its_prompt_adds_and_replies_as_from_scratch(smol
     session that reads the whole conversation each turn; also after a reply stopped inside a forward pass."""
     tokenizer, template = smollm2
     torch.manual_seed(0)
-    model = DecoderLM(DecoderLMConfig(vocab_size=tokenizer.vocab_size, d_model=32, n_layers=2, n_heads=4,
+    model = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=tokenizer.vocab_size, d_model=32, n_layers=2, n_heads=4,
                                       n_kv_heads=2, positions="rotary", max_positions=512)).eval()  # fmt: skip
     messages = ["Hello there!", "What is the capital of France?", "And of Italy? Answer briefly."]
     sessions = [ChatSession(model, tokenizer, template, GREEDY, max_new_tokens=12, system="Be brief.",

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import run_main
+from helpers import model_cfg, run_main
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,11 +26,10 @@ import qkv
 import qkv.generation
 from qkv.cli import main
 from qkv.cli.runs import TextStream
-from qkv.config import DecoderLMConfig
 from qkv.data import load_shakespeare
 from qkv.data.cache import open_text
 from qkv.errors import QkvError
-from qkv.models import DecoderLM
+from qkv.models import DecoderLM, DecoderLMConfig
 from qkv.tasks import load, train
 from qkv.tasks.lm import LMConfig
 from qkv.training import evaluate_loss
@@ -374,7 +373,7 @@ def test_resume_refuses_a_corrupted_or_mismatched_checkpoint(
 
     mismatched = _copy(char_run, tmp_path, "mismatched")
     config = load(char_run).model.cfg
-    other = DecoderLM(DecoderLMConfig(**{**config.to_dict(), "d_model": 16}))
+    other = DecoderLM(model_cfg(DecoderLMConfig, **{**config.to_dict(), "d_model": 16}))
     one = DistContext(0, 1, "ddp", torch.device("cpu"))
     optimizer = torch.optim.AdamW(other.parameters())
     save_checkpoint(mismatched, other, optimizer, {"step": 10}, {"data": torch.Generator()}, one, frozen=False).wait()

@@ -18,14 +18,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import subprocess_env
+from helpers import model_cfg, subprocess_env
 
 import qkv
 from qkv.attention.sdpa import scaled_dot_product_attention
-from qkv.config import DecoderLMConfig
 from qkv.data import load_shakespeare
 from qkv.generation import Sampling, generate
-from qkv.models import DecoderLM
+from qkv.models import DecoderLM, DecoderLMConfig
 from qkv.tasks import load, train
 from qkv.tasks.lm import LMConfig
 
@@ -119,7 +118,7 @@ MODELS: dict[str, dict[str, Any]] = {
 def _lm(kind: str) -> DecoderLM:
     """A 2-layer DecoderLM of one block kind, dropout 0, seeded."""
     torch.manual_seed(3)
-    cfg = DecoderLMConfig(vocab_size=97, d_model=64, n_heads=4, n_layers=2, max_positions=64, dropout=0.0,
+    cfg = model_cfg(DecoderLMConfig, vocab_size=97, d_model=64, n_heads=4, n_layers=2, max_positions=64, dropout=0.0,
                           **MODELS[kind])  # fmt: skip
     return DecoderLM(cfg)
 

@@ -21,17 +21,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import one_thread, shard_dir
+from helpers import model_cfg, one_thread, shard_dir
 from launching import ARGS, QKV_TRAIN, STEPS, TORCHRUN, Finished, excerpt
 from launching import max_diff as _max_diff
 from launching import rows as _rows
 from launching import run_command as _run
 from launching import weights_diff as _weights_diff
 
-from qkv.config import DecoderLMConfig
 from qkv.data.cache import open_text
 from qkv.errors import QkvError
-from qkv.models import DecoderLM
+from qkv.models import DecoderLM, DecoderLMConfig
 from qkv.tasks import load, train
 from qkv.tasks.lm import LMConfig
 from qkv.training import evaluate_loss, evaluate_sums
@@ -210,7 +209,7 @@ def _accumulate(model: torch.nn.Module, micro_batches: int) -> None:
 def test_gradient_accumulation_syncs_once_per_step(group_of_one: None, strategy: str) -> None:
     """3 micro-batches, 1 gradient sync: DDP's all-reduce runs in the last backward only (FSDP: its sync flag)."""
     torch.manual_seed(0)
-    lm = DecoderLM(DecoderLMConfig(vocab_size=11, n_layers=1, d_model=16, n_heads=2, max_positions=8, dropout=0.0))
+    lm = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=11, n_layers=1, d_model=16, n_heads=2, max_positions=8, dropout=0.0))
     model = wrap_model(lm, DistContext(0, 2, strategy, torch.device("cpu")))  # as rank 0 of 2 would wrap it
     synced: list[bool] = []
     if strategy == "ddp":
@@ -246,7 +245,7 @@ def test_torchrun_without_out_dir_agrees_on_one_run_directory(tmp_path: Path, co
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_batch_norm_is_refused_under_every_multi_process_strategy(strategy: str) -> None:
-    model = DecoderLM(DecoderLMConfig(vocab_size=20, d_model=16, n_layers=1, n_heads=2, norm="batch"))
+    model = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=20, d_model=16, n_layers=1, n_heads=2, norm="batch"))
     ctx = DistContext(rank=0, world_size=2, strategy=strategy, device=torch.device("cpu"))  # refused before any call
     with pytest.raises(QkvError, match="norm=batch keeps per-rank running statistics"):
         wrap_model(model, ctx)

@@ -11,17 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_main, tiny_data, tiny_settings
+from helpers import model_cfg, run_main, tiny_data, tiny_settings
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from qkv.config import DecoderLMConfig
 from qkv.errors import QkvError
 from qkv.evals.data import BENCHMARKS, DATA_ENV, Item, benchmark_file, load_items, parse_benchmarks
 from qkv.evals.metrics import Measure, mean_measure, measures, predictions
 from qkv.evals.scoring import Score, encode_request, score_items
 from qkv.extras import package_file
-from qkv.models import DecoderLM
+from qkv.models import DecoderLM, DecoderLMConfig
 from qkv.tokenizers.bpe import ByteBPETokenizer
 
 TEXT = ("The quick brown fox jumps over the lazy dog. A man is sitting on a roof; he starts pulling up roofing. "
@@ -36,7 +35,7 @@ def tokenizer() -> ByteBPETokenizer:
 @functools.cache
 def model(positions: str = "rotary", max_positions: int = 64) -> DecoderLM:
     torch.manual_seed(3)
-    cfg = DecoderLMConfig(vocab_size=tokenizer().vocab_size, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2,
+    cfg = model_cfg(DecoderLMConfig, vocab_size=tokenizer().vocab_size, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2,
                           max_positions=max_positions, d_ff=64, positions=positions)  # type: ignore[arg-type]  # fmt: skip
     return DecoderLM(cfg).eval()
 

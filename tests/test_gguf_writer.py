@@ -14,6 +14,7 @@ from typing import Any
 import gguf
 import pytest
 import torch
+from helpers import model_cfg
 
 from qkv import DecoderLM, DecoderLMConfig, QkvError
 from qkv.data.corpus import load_shakespeare
@@ -35,7 +36,7 @@ def tokenizer() -> ByteBPETokenizer:
 def _llama_lm(vocab_size: int, tie: bool, bias: bool = False) -> DecoderLM:
     """A random Llama-shaped DecoderLM whose every tensor (norms included) is far from its initial value."""
     torch.manual_seed(0)
-    cfg = DecoderLMConfig(vocab_size=vocab_size, n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=96,
+    cfg = model_cfg(DecoderLMConfig, vocab_size=vocab_size, n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=96,
                           max_positions=128, positions="rotary", rope_base=500.0, norm="rms", norm_eps=1e-5,
                           activation="swiglu", bias=bias, final_norm=True, tie_embeddings=tie)  # fmt: skip
     model = DecoderLM(cfg).eval()
@@ -152,7 +153,7 @@ def test_smollm2_round_trips_through_float32_gguf(tmp_path: Path) -> None:
 
 
 def test_refuses_a_gpt2_shaped_model_in_one_line(tmp_path: Path, tokenizer: ByteBPETokenizer) -> None:
-    gpt2 = DecoderLM(DecoderLMConfig(vocab_size=tokenizer.vocab_size, d_model=32, n_heads=4, n_layers=1))
+    gpt2 = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=tokenizer.vocab_size, d_model=32, n_heads=4, n_layers=1))
     with pytest.raises(QkvError, match=r"Llama-shaped.*positions='learned'") as err:
         save_gguf(gpt2, tmp_path / "gpt2.gguf", tokenizer)
     assert "\n" not in str(err.value) and not any(tmp_path.iterdir())

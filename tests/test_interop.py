@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import model_cfg
 from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
@@ -240,7 +241,7 @@ _LLAMA_SHAPED: dict[str, Any] = dict(
 @pytest.mark.parametrize("shape", [_GPT2_SHAPED, _LLAMA_SHAPED], ids=["gpt2", "llama"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_save_hf_round_trip(shape: dict[str, Any], tied: bool, tmp_path: Path) -> None:
-    cfg = DecoderLMConfig(
+    cfg = model_cfg(DecoderLMConfig, 
         vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=2, d_ff=48, max_positions=64, tie_embeddings=tied, **shape
     )
     model = DecoderLM(cfg).eval()
@@ -260,11 +261,11 @@ def test_save_hf_round_trip(shape: dict[str, Any], tied: bool, tmp_path: Path) -
 
 
 def test_save_hf_refuses_models_without_an_hf_family(tmp_path: Path) -> None:
-    cfg = DecoderLMConfig(vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=1, positions="sinusoidal")
+    cfg = model_cfg(DecoderLMConfig, vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=1, positions="sinusoidal")
     with pytest.raises(QkvError, match=r"not GPT-2: positions='sinusoidal'.*not Llama"):
         save_hf(DecoderLM(cfg), tmp_path)
     llama_like = {k: v for k, v in _LLAMA_SHAPED.items() if k != "n_kv_heads"}  # MLA has no K/V head count
-    latent = DecoderLMConfig(vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=1, attention="mla", **llama_like)
+    latent = model_cfg(DecoderLMConfig, vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=1, attention="mla", **llama_like)
     with pytest.raises(QkvError, match=r"not Llama: attention='mla'"):  # rotary + RMS + SwiGLU, yet not a Llama
         save_hf(DecoderLM(latent), tmp_path)
     assert not any(tmp_path.iterdir())  # refused before writing anything
@@ -333,13 +334,13 @@ def test_custom_code_is_refused(tmp_path: Path) -> None:
 
 def test_new_core_options_default_to_old_behaviour() -> None:
     """embedding_norm / position_offset / output_bias change nothing unless asked for."""
-    lm = DecoderLM(DecoderLMConfig(vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=1))
+    lm = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=1))
     assert lm.embed.norm is None and lm.embed.positions is not None
     assert lm.embed.positions.weight.shape == (1024, 32)
-    tr = Transformer(TransformerConfig(src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, d_model=32, n_heads=4))
+    tr = Transformer(model_cfg(TransformerConfig, src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, d_model=32, n_heads=4))
     assert tr.generator.bias is None and tr.src_embed.norm is None
     with pytest.raises(QkvError, match="position_offset"):
-        DecoderLMConfig(vocab_size=VOCAB, positions="rotary", position_offset=2)
+        model_cfg(DecoderLMConfig, vocab_size=VOCAB, positions="rotary", position_offset=2)
 
 
 # ---------------------------------------------------------------------------------------------

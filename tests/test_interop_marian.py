@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import model_cfg
 from transformers import MarianConfig, MarianMTModel, MarianTokenizer
 
 from qkv import QkvError, Transformer, TransformerConfig
@@ -260,7 +261,7 @@ def _marian_shaped(vocab_size: int, **overrides: Any) -> Transformer:
         n_decoder_layers=1, positions="sinusoidal", sinusoid_layout="halves", activation="silu", norm_placement="post",
         share_embeddings=True, output_bias=True, pad_id=vocab_size - 1, max_positions=64, dropout=0.0,
     )  # fmt: skip
-    model = Transformer(TransformerConfig(**{**fields, **overrides})).eval()
+    model = Transformer(model_cfg(TransformerConfig, **{**fields, **overrides})).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or "generator.bias" in name:
@@ -284,7 +285,7 @@ def test_qkv_to_marian_and_back_keeps_the_logits(tmp_path: Path, capsys: pytest.
         assert (hf(input_ids=src, decoder_input_ids=tgt).logits - ours).abs().max().item() <= TOL
         assert torch.equal(again(src, tgt), ours)
     capsys.readouterr()
-    paper_cfg = TransformerConfig(src_vocab_size=50, tgt_vocab_size=50, d_model=16, n_heads=2, n_encoder_layers=1,
+    paper_cfg = model_cfg(TransformerConfig, src_vocab_size=50, tgt_vocab_size=50, d_model=16, n_heads=2, n_encoder_layers=1,
                                   n_decoder_layers=1, norm_placement="pre")  # fmt: skip
     paper = Transformer(paper_cfg)
     save_qkv(paper, tmp_path / "paper")

@@ -19,10 +19,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import chrome, find_browser, run_main
+from helpers import chrome, find_browser, model_cfg, run_main
 
 import qkv
-from qkv.config import DecoderLMConfig, TransformerConfig
 from qkv.errors import QkvError
 from qkv.lab import (
     attention_map,
@@ -42,7 +41,7 @@ from qkv.lab.attention_map import bertviz_arguments, export_bertviz, plot_layers
 from qkv.lab.positional import rotation
 from qkv.lab.softmax import stable_softmax
 from qkv.lab.walkthrough import SENTENCES, builtin_example, load_embeddings
-from qkv.models import DecoderLM, Transformer
+from qkv.models import DecoderLM, DecoderLMConfig, Transformer, TransformerConfig
 from qkv.tasks import train
 from qkv.tasks.lm import LMConfig
 
@@ -200,10 +199,10 @@ def test_attention_map_of_a_tiny_run(tiny_run: Path, tmp_path: Path) -> None:
 
 
 def test_attention_maps_of_model_objects(tmp_path: Path) -> None:
-    lm = DecoderLM(DecoderLMConfig(vocab_size=20, n_layers=2, d_model=16, n_heads=2, max_positions=16)).eval()
+    lm = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=20, n_layers=2, d_model=16, n_heads=2, max_positions=16)).eval()
     r = decoder_attention_maps(lm, [1, 2, 3, 4], list("abcd"))
     assert [m.weights.shape for m in r.maps] == [(2, 4, 4)] * 2
-    cfg = TransformerConfig(src_vocab_size=11, tgt_vocab_size=13, d_model=16, n_heads=2, d_ff=32, dropout=0.0,
+    cfg = model_cfg(TransformerConfig, src_vocab_size=11, tgt_vocab_size=13, d_model=16, n_heads=2, d_ff=32, dropout=0.0,
                             n_encoder_layers=2, n_decoder_layers=1, max_positions=16)  # fmt: skip
     r = transformer_attention_maps(Transformer(cfg).eval(), [1, 2, 3, 4, 5], [1, 2, 3], list("abcde"), list("xyz"))
     shapes = {(m.kind, m.layer): m.weights.shape for m in r.maps}

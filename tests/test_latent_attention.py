@@ -15,14 +15,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import with_maps
+from helpers import model_cfg, with_maps
 
 from qkv.attention import KVCache, LatentAttention, LatentKVCache, set_absorb
-from qkv.config import DecoderLMConfig
 from qkv.data import load_shakespeare
 from qkv.errors import QkvError
 from qkv.generation import Sampling, generate
-from qkv.models import DecoderLM
+from qkv.models import DecoderLM, DecoderLMConfig
 
 MLA: dict[str, Any] = {"vocab_size": 40, "d_model": 32, "n_heads": 4, "n_layers": 2, "positions": "rotary",
                        "norm": "rms", "activation": "swiglu", "bias": False, "attention": "mla", "kv_lora_rank": 16,
@@ -32,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _model(**overrides: Any) -> DecoderLM:
     """A tiny MLA DecoderLM in eval mode."""
-    return DecoderLM(DecoderLMConfig(**{**MLA, **overrides})).eval()
+    return DecoderLM(model_cfg(DecoderLMConfig, **{**MLA, **overrides})).eval()
 
 
 def _benchmark() -> Any:
@@ -137,7 +136,7 @@ def test_mla_cache_is_at_most_a_seventh_of_mha() -> None:
 
 
 def test_config_fills_deepseek_v2_defaults() -> None:
-    cfg = DecoderLMConfig(vocab_size=10, d_model=64, n_heads=4, positions="rotary", attention="mla")
+    cfg = model_cfg(DecoderLMConfig, vocab_size=10, d_model=64, n_heads=4, positions="rotary", attention="mla")
     assert (cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (64, 16, 8, 16)
     assert cfg.q_lora_rank is None and cfg.rotary_dim == 8
     assert DecoderLMConfig.from_dict(cfg.to_dict()) == cfg
@@ -161,7 +160,7 @@ def test_config_fills_deepseek_v2_defaults() -> None:
 )
 def test_config_refuses_bad_mla_and_moe_settings(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(QkvError, match=message):
-        DecoderLMConfig(vocab_size=10, d_model=32, n_heads=4, **fields)
+        model_cfg(DecoderLMConfig, vocab_size=10, d_model=32, n_heads=4, **fields)
 
 
 def test_latent_attention_refuses_misuse() -> None:
@@ -198,7 +197,7 @@ def test_mla_trains_through_qkv_train(tmp_path: Path) -> None:
 def test_latent_down_projections_get_the_plain_init_std() -> None:
     """Only projections writing into the residual stream get GPT-2's smaller std; MLA's q/kv_down do not."""
     torch.manual_seed(0)
-    model = DecoderLM(DecoderLMConfig(**{**MLA, "d_model": 256, "n_layers": 8, "q_lora_rank": 64}))
+    model = DecoderLM(model_cfg(DecoderLMConfig, **{**MLA, "d_model": 256, "n_layers": 8, "q_lora_rank": 64}))
     attn = model.decoder.layers[0].self_attn
     assert abs(float(attn.kv_down.weight.detach().std()) - 0.02) < 0.002
     assert abs(float(attn.q_down.weight.detach().std()) - 0.02) < 0.002

@@ -8,26 +8,26 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import model_cfg
 from torch import nn
 
-from qkv.config import DecoderLMConfig, EncoderConfig, TransformerConfig
-from qkv.models import QkvConfig, build_model
+from qkv.models import DecoderLMConfig, EncoderConfig, QkvConfig, TransformerConfig, build_model
 from qkv.training.meta_init import build, build_on_meta, materialise
 from qkv.training.recompute import layers_of
 
 D = {"vocab_size": 50, "d_model": 32, "n_heads": 4, "n_layers": 2, "d_ff": 64, "max_positions": 64}
 CONFIGS: dict[str, QkvConfig] = {
-    "gpt-learned-tied": DecoderLMConfig(**D),
-    "llama-gqa-rms-untied": DecoderLMConfig(**D, positions="rotary", norm="rms", n_kv_heads=2, tie_embeddings=False,
+    "gpt-learned-tied": model_cfg(DecoderLMConfig, **D),
+    "llama-gqa-rms-untied": model_cfg(DecoderLMConfig, **D, positions="rotary", norm="rms", n_kv_heads=2, tie_embeddings=False,
                                             activation="swiglu"),
-    "sinusoidal-no-bias": DecoderLMConfig(**D, positions="sinusoidal", bias=False),
-    "mla-moe": DecoderLMConfig(**D, positions="rotary", attention="mla", moe_experts=4, moe_top_k=2),
-    "encoder-decoder-shared": TransformerConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=32, n_heads=4,
+    "sinusoidal-no-bias": model_cfg(DecoderLMConfig, **D, positions="sinusoidal", bias=False),
+    "mla-moe": model_cfg(DecoderLMConfig, **D, positions="rotary", attention="mla", moe_experts=4, moe_top_k=2),
+    "encoder-decoder-shared": model_cfg(TransformerConfig, src_vocab_size=40, tgt_vocab_size=40, d_model=32, n_heads=4,
                                                 n_encoder_layers=2, n_decoder_layers=1, d_ff=64,
                                                 share_embeddings=True),
-    "encoder-decoder-separate": TransformerConfig(src_vocab_size=40, tgt_vocab_size=30, d_model=32, n_heads=4,
+    "encoder-decoder-separate": model_cfg(TransformerConfig, src_vocab_size=40, tgt_vocab_size=30, d_model=32, n_heads=4,
                                                   n_encoder_layers=1, n_decoder_layers=2, d_ff=64),
-    "bert": EncoderConfig(**D),
+    "bert": model_cfg(EncoderConfig, **D),
 }  # fmt: skip
 
 

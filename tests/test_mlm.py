@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import one_thread, run_main, tiny_data, tiny_settings
+from helpers import model_cfg, one_thread, run_main, tiny_data, tiny_settings
 
-from qkv.config import EncoderConfig
 from qkv.lab.attention_map import attention_map
-from qkv.models import EncoderModel
+from qkv.models import EncoderConfig, EncoderModel
 from qkv.tasks import load, train
 from qkv.tasks.mlm import MLMConfig, MLMRun, mask_tokens
 
@@ -47,7 +46,7 @@ def test_masking_follows_bert_statistics() -> None:
 
 
 def test_the_gathered_head_equals_the_full_one() -> None:
-    cfg = EncoderConfig(vocab_size=30, d_model=16, n_heads=2, n_layers=1, max_positions=12, pooler=False,
+    cfg = model_cfg(EncoderConfig, vocab_size=30, d_model=16, n_heads=2, n_layers=1, max_positions=12, pooler=False,
                         mlm_head=True, dropout=0.0)  # fmt: skip
     model = EncoderModel(cfg).eval()
     ids = torch.randint(0, 30, (3, 12))

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import with_maps
+from helpers import model_cfg, with_maps
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -54,7 +54,7 @@ def test_paper_big_parameter_count() -> None:
 
 def test_gpt2_small_parameter_count_is_exact() -> None:
     """GPT-2 small (LayerNorm, GELU, biases, tied head, 1024 learned positions) has 124,439,808 parameters."""
-    cfg = DecoderLMConfig(vocab_size=50257, max_positions=1024, n_layers=12, d_model=768, n_heads=12)
+    cfg = model_cfg(DecoderLMConfig, vocab_size=50257, max_positions=1024, n_layers=12, d_model=768, n_heads=12)
     assert cfg.norm == "layer" and cfg.activation == "gelu" and cfg.bias and cfg.tie_embeddings
     model = DecoderLM(cfg)
     assert model.lm_head.weight is model.embed.tokens.weight
@@ -64,15 +64,15 @@ def test_gpt2_small_parameter_count_is_exact() -> None:
 def test_small_counts_by_hand() -> None:
     """A tiny DecoderLM's count, term by term."""
     v, d, t, n, f = 11, 8, 16, 2, 32
-    model = DecoderLM(DecoderLMConfig(vocab_size=v, d_model=d, n_heads=2, n_layers=n, max_positions=t, d_ff=f))
+    model = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=v, d_model=d, n_heads=2, n_layers=n, max_positions=t, d_ff=f))
     per_layer = 4 * (d * d + d) + (d * f + f + f * d + d) + 2 * 2 * d
     assert n_params(model) == v * d + t * d + n * per_layer + 2 * d
     untied = DecoderLM(
-        DecoderLMConfig(vocab_size=v, d_model=d, n_heads=2, n_layers=n, max_positions=t, d_ff=f, tie_embeddings=False)
+        model_cfg(DecoderLMConfig, vocab_size=v, d_model=d, n_heads=2, n_layers=n, max_positions=t, d_ff=f, tie_embeddings=False)
     )
     assert n_params(untied) == n_params(model) + v * d
     gqa = DecoderLM(
-        DecoderLMConfig(vocab_size=v, d_model=d, n_heads=2, n_kv_heads=1, n_layers=n, max_positions=t, d_ff=f)
+        model_cfg(DecoderLMConfig, vocab_size=v, d_model=d, n_heads=2, n_kv_heads=1, n_layers=n, max_positions=t, d_ff=f)
     )
     assert n_params(gqa) == n_params(model) - n * 2 * (d * d // 2 + d // 2)
 
@@ -96,7 +96,7 @@ LM_VARIANTS: dict[str, dict[str, Any]] = {
 def tiny_lm(variant: str) -> DecoderLM:
     """A small DecoderLM in eval mode (built once per variant)."""
     torch.manual_seed(1)
-    cfg = DecoderLMConfig(
+    cfg = model_cfg(DecoderLMConfig, 
         vocab_size=23, d_model=16, n_heads=4, n_layers=2, max_positions=32, d_ff=32, **LM_VARIANTS[variant]
     )
     return DecoderLM(cfg).eval()
@@ -141,7 +141,7 @@ def test_decoder_lm_token_by_token_from_the_start(variant: str) -> None:
 
 def tiny_transformer(positions: str = "sinusoidal", **kw: object) -> Transformer:
     torch.manual_seed(2)
-    cfg = TransformerConfig(
+    cfg = model_cfg(TransformerConfig, 
         src_vocab_size=19, tgt_vocab_size=17, d_model=16, n_heads=4, d_ff=32, n_encoder_layers=2,
         n_decoder_layers=2, dropout=0.0, max_positions=32, positions=positions, **kw,  # type: ignore[arg-type]
     )  # fmt: skip
@@ -285,7 +285,7 @@ def test_decoder_lm_recorded_attention_maps() -> None:
 def test_encoder_model_outputs_and_padding() -> None:
     """EncoderModel: hidden states, pooled output, padding ignored, mean pooling over real tokens."""
     torch.manual_seed(3)
-    cfg = EncoderConfig(vocab_size=30, d_model=16, n_heads=4, n_layers=2, max_positions=16, dropout=0.0)
+    cfg = model_cfg(EncoderConfig, vocab_size=30, d_model=16, n_heads=4, n_layers=2, max_positions=16, dropout=0.0)
     model = EncoderModel(cfg).eval()
     ids = torch.randint(1, 30, (2, 6))
     attn = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
@@ -309,11 +309,11 @@ def test_encoder_model_outputs_and_padding() -> None:
 
 def test_config_defaults_and_round_trip() -> None:
     """Family defaults, derived fields, and to_dict / from_dict round trips."""
-    lm = DecoderLMConfig(vocab_size=100)
+    lm = model_cfg(DecoderLMConfig, vocab_size=100)
     assert (lm.norm_placement, lm.activation, lm.final_norm, lm.d_ff) == ("pre", "gelu", True, 2048)
-    tr = TransformerConfig(src_vocab_size=10, tgt_vocab_size=12)
+    tr = model_cfg(TransformerConfig, src_vocab_size=10, tgt_vocab_size=12)
     assert (tr.norm_placement, tr.positions, tr.scale_embeddings, tr.final_norm) == ("post", "sinusoidal", True, False)
-    for cfg in (lm, tr, EncoderConfig(vocab_size=5), BlockConfig(d_model=8, n_heads=2)):
+    for cfg in (lm, tr, model_cfg(EncoderConfig, vocab_size=5), BlockConfig(d_model=8, n_heads=2)):
         assert type(cfg).from_dict(cfg.to_dict()) == cfg
     mc = tr.model_config(12)
     assert isinstance(mc, ModelConfig) and mc.vocab_size == 12 and mc.scale_embeddings and mc.d_model == tr.d_model
@@ -322,7 +322,7 @@ def test_config_defaults_and_round_trip() -> None:
 def test_attention_dropout_is_its_own_setting() -> None:
     """attention_dropout reaches every attention module; None means `dropout`, as before the field existed."""
     for attention_dropout, expected in ((None, 0.1), (0.0, 0.0), (0.25, 0.25)):
-        cfg = TransformerConfig(src_vocab_size=10, tgt_vocab_size=10, d_model=16, n_heads=2, n_encoder_layers=1,
+        cfg = model_cfg(TransformerConfig, src_vocab_size=10, tgt_vocab_size=10, d_model=16, n_heads=2, n_encoder_layers=1,
                                 n_decoder_layers=1, dropout=0.1, attention_dropout=attention_dropout)  # fmt: skip
         model = Transformer(cfg)
         layer = model.decoder.layers[0]
@@ -335,40 +335,40 @@ def test_attention_dropout_is_its_own_setting() -> None:
 @pytest.mark.parametrize(
     "make,match",
     [
-        (lambda: DecoderLMConfig(vocab_size=10, d_model=30, n_heads=4), r"n_heads=4 must divide d_model=30"),
-        (lambda: DecoderLMConfig(vocab_size=10, n_heads=8, n_kv_heads=3), r"n_kv_heads=3 must divide n_heads=8"),
+        (lambda: model_cfg(DecoderLMConfig, vocab_size=10, d_model=30, n_heads=4), r"n_heads=4 must divide d_model=30"),
+        (lambda: model_cfg(DecoderLMConfig, vocab_size=10, n_heads=8, n_kv_heads=3), r"n_kv_heads=3 must divide n_heads=8"),
         (
             lambda: DecoderLMConfig.from_dict({"vocab_size": 10, "norm": "group"}),
             r"unknown norm 'group'.*layer, rms, batch",
         ),
         (lambda: DecoderLMConfig.from_dict({"vocab_size": 10, "activation": "tanh"}), r"unknown activation 'tanh'"),
         (lambda: DecoderLMConfig.from_dict({"vocab_size": 10, "positions": "alibi"}), r"unknown positions 'alibi'"),
-        (lambda: DecoderLMConfig(vocab_size=10, dropout=-0.1), r"dropout must be in \[0, 1\), got -0.1"),
-        (lambda: DecoderLMConfig(vocab_size=10, dropout=1.0), r"dropout must be in \[0, 1\)"),
+        (lambda: model_cfg(DecoderLMConfig, vocab_size=10, dropout=-0.1), r"dropout must be in \[0, 1\), got -0.1"),
+        (lambda: model_cfg(DecoderLMConfig, vocab_size=10, dropout=1.0), r"dropout must be in \[0, 1\)"),
         (
-            lambda: DecoderLMConfig(vocab_size=10, attention_dropout=1.5),
+            lambda: model_cfg(DecoderLMConfig, vocab_size=10, attention_dropout=1.5),
             r"attention_dropout must be in \[0, 1\), got 1.5",
         ),
-        (lambda: DecoderLMConfig(vocab_size=0), r"vocab_size must be a positive integer, got 0"),
-        (lambda: DecoderLMConfig(vocab_size=-5), r"vocab_size must be a positive integer, got -5"),
-        (lambda: DecoderLMConfig(vocab_size=10, n_layers=0), r"n_layers must be a positive integer"),
-        (lambda: DecoderLMConfig(vocab_size=10, max_positions=0), r"max_positions must be a positive integer"),
+        (lambda: model_cfg(DecoderLMConfig, vocab_size=0), r"vocab_size must be a positive integer, got 0"),
+        (lambda: model_cfg(DecoderLMConfig, vocab_size=-5), r"vocab_size must be a positive integer, got -5"),
+        (lambda: model_cfg(DecoderLMConfig, vocab_size=10, n_layers=0), r"n_layers must be a positive integer"),
+        (lambda: model_cfg(DecoderLMConfig, vocab_size=10, max_positions=0), r"max_positions must be a positive integer"),
         (
-            lambda: DecoderLMConfig(vocab_size=10, d_model=12, n_heads=4, positions="rotary"),
+            lambda: model_cfg(DecoderLMConfig, vocab_size=10, d_model=12, n_heads=4, positions="rotary"),
             r"rotary positions need an even head dim",
         ),
-        (lambda: DecoderLMConfig(vocab_size=10, d_model=9, n_heads=3, positions="sinusoidal"), r"even d_model, got 9"),
+        (lambda: model_cfg(DecoderLMConfig, vocab_size=10, d_model=9, n_heads=3, positions="sinusoidal"), r"even d_model, got 9"),
         (
-            lambda: TransformerConfig(src_vocab_size=10, tgt_vocab_size=12, share_embeddings=True),
+            lambda: model_cfg(TransformerConfig, src_vocab_size=10, tgt_vocab_size=12, share_embeddings=True),
             r"share_embeddings needs one vocabulary.*src_vocab_size=10.*tgt_vocab_size=12",
         ),
-        (lambda: TransformerConfig(src_vocab_size=0, tgt_vocab_size=12), r"src_vocab_size must be a positive"),
+        (lambda: model_cfg(TransformerConfig, src_vocab_size=0, tgt_vocab_size=12), r"src_vocab_size must be a positive"),
         (
             lambda: DecoderLMConfig.from_dict({"vocab_size": 10, "d_modle": 64, "heads": 2}),
             r"unknown DecoderLMConfig field\(s\): d_modle, heads",
         ),
         (lambda: TransformerConfig.from_dict({"src_vocab_size": 3, "foo": 1}), r"unknown TransformerConfig.*foo"),
-        (lambda: EncoderConfig(vocab_size=10, type_vocab_size=-1), r"type_vocab_size must be ≥ 0"),
+        (lambda: model_cfg(EncoderConfig, vocab_size=10, type_vocab_size=-1), r"type_vocab_size must be ≥ 0"),
     ],
 )
 def test_bad_configs(make: object, match: str) -> None:

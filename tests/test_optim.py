@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import model_cfg
 from torch import nn
 
 from qkv import DecoderLM, DecoderLMConfig, Transformer, TransformerConfig
@@ -71,7 +72,7 @@ def test_muon_steps_like_torch_optim_muon() -> None:
 
 
 def _tiny_transformer() -> Transformer:
-    cfg = TransformerConfig(src_vocab_size=50, tgt_vocab_size=50, d_model=16, n_heads=2, d_ff=32, n_encoder_layers=2,
+    cfg = model_cfg(TransformerConfig, src_vocab_size=50, tgt_vocab_size=50, d_model=16, n_heads=2, d_ff=32, n_encoder_layers=2,
                             n_decoder_layers=1, share_embeddings=True, dropout=0.0)  # fmt: skip
     return Transformer(cfg)
 
@@ -80,7 +81,7 @@ def _tiny_transformer() -> Transformer:
 def test_muon_takes_the_block_matrices_and_adamw_the_rest(model: str) -> None:
     net: nn.Module = _tiny_transformer()
     if model == "decoder_lm":
-        net = DecoderLM(DecoderLMConfig(vocab_size=50, d_model=16, n_heads=2, n_layers=2, max_positions=8))
+        net = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=50, d_model=16, n_heads=2, n_layers=2, max_positions=8))
     optimizer = make_optimizer(net, TranslateConfig(optimizer="muon"))
     muon, decay, no_decay = optimizer.param_groups
     names = {id(p): n for n, p in net.named_parameters()}

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from helpers import model_cfg
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -91,14 +92,14 @@ def test_sinusoid_layout_is_a_validated_config_choice() -> None:
     from qkv import DecoderLMConfig, Transformer, TransformerConfig
 
     base = dict(src_vocab_size=11, tgt_vocab_size=11, d_model=8, n_heads=2, n_encoder_layers=1, n_decoder_layers=1)
-    assert TransformerConfig(**base).sinusoid_layout == "interleaved"  # type: ignore[arg-type]
-    model = Transformer(TransformerConfig(**base, sinusoid_layout="halves"))  # type: ignore[arg-type]
+    assert model_cfg(TransformerConfig, **base).sinusoid_layout == "interleaved"  # type: ignore[arg-type]
+    model = Transformer(model_cfg(TransformerConfig, **base, sinusoid_layout="halves"))  # type: ignore[arg-type]
     assert model.src_embed.positions is not None
     assert torch.equal(model.tgt_embed.positions(5), sinusoidal_table(5, 8, layout="halves"))
     with pytest.raises(QkvError, match=r"unknown sinusoid_layout 'sideways'; choose one of: interleaved, halves"):
-        TransformerConfig(**base, sinusoid_layout="sideways")  # type: ignore[arg-type]
+        model_cfg(TransformerConfig, **base, sinusoid_layout="sideways")  # type: ignore[arg-type]
     with pytest.raises(QkvError, match=r"sinusoid_layout='halves' needs positions='sinusoidal'"):
-        DecoderLMConfig(vocab_size=11, d_model=8, n_heads=2, sinusoid_layout="halves")
+        model_cfg(DecoderLMConfig, vocab_size=11, d_model=8, n_heads=2, sinusoid_layout="halves")
 
 
 def test_learned_positions() -> None:

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_data, tiny_settings
+from helpers import model_cfg, tiny_data, tiny_settings
 
 from qkv import DecoderLM
-from qkv.config import DecoderLMConfig, EncoderConfig, TransformerConfig
-from qkv.models import EncoderModel, Transformer
+from qkv.models import DecoderLMConfig, EncoderConfig, EncoderModel, Transformer, TransformerConfig
 from qkv.training.recompute import checkpoint_layers, layers_of
 
 
@@ -27,15 +26,15 @@ def _grads(model: torch.nn.Module, loss_of: object) -> dict[str, torch.Tensor]:
 def test_gradients_equal_the_plain_runs(kind: str) -> None:
     ids = torch.randint(40, (3, 12))
     if kind == "decoder":
-        model: torch.nn.Module = DecoderLM(DecoderLMConfig(vocab_size=40, d_model=32, n_layers=3, n_heads=4,
+        model: torch.nn.Module = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=40, d_model=32, n_layers=3, n_heads=4,
                                                             dropout=0.1))  # fmt: skip
         loss_of = lambda m: m(ids).logsumexp(-1).mean()  # noqa: E731
     elif kind == "transformer":
-        model = Transformer(TransformerConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=32, n_heads=4,
+        model = Transformer(model_cfg(TransformerConfig, src_vocab_size=40, tgt_vocab_size=40, d_model=32, n_heads=4,
                                               n_encoder_layers=2, n_decoder_layers=2, dropout=0.1))  # fmt: skip
         loss_of = lambda m: m(ids, ids).logsumexp(-1).mean()  # noqa: E731
     else:
-        model = EncoderModel(EncoderConfig(vocab_size=40, d_model=32, n_layers=2, n_heads=4, dropout=0.1))
+        model = EncoderModel(model_cfg(EncoderConfig, vocab_size=40, d_model=32, n_layers=2, n_heads=4, dropout=0.1))
         loss_of = lambda m: m(ids).hidden.square().mean()  # noqa: E731
     model.train()
     recomputed = copy.deepcopy(model)
@@ -47,7 +46,7 @@ def test_gradients_equal_the_plain_runs(kind: str) -> None:
 
 
 def test_without_gradients_a_layer_runs_as_before() -> None:
-    model = DecoderLM(DecoderLMConfig(vocab_size=40, d_model=32, n_layers=2, n_heads=4)).eval()
+    model = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=40, d_model=32, n_layers=2, n_heads=4)).eval()
     ids = torch.randint(40, (2, 9))
     expected = model(ids)
     checkpoint_layers(model)

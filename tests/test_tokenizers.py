@@ -190,7 +190,7 @@ def test_which_tokenizers_cut_like_gpt2() -> None:
     (digits split first or not) and for characters; not for SentencePiece-style or normalizing tokenizers."""
     import tokenizers as hf
 
-    from qkv.tokenizers.gpt2 import byte_level_bpe
+    from qkv.tokenizers.byte_level import byte_level_bpe
 
     vocab, merges = {"a": 0, "b": 1, "ab": 2}, [("a", "b")]
     assert ByteBPETokenizer.train("to be or not to be " * 20, 300).cuts_like_gpt2()

@@ -24,18 +24,17 @@ import pytest
 import safetensors.torch
 import torch
 import torch.nn.functional as F
-from helpers import checkpoint_dir, one_thread, read_dcp, shard_dir
+from helpers import checkpoint_dir, model_cfg, one_thread, read_dcp, shard_dir
 from safetensors import safe_open
 
 from qkv.attention import new_cache
-from qkv.config import DecoderLMConfig
 from qkv.data import eval_windows, load_shakespeare
 from qkv.data.batches import eval_batch
 from qkv.data.cache import open_text
 from qkv.errors import QkvError
 from qkv.generation import Sampling, generate, stream
 from qkv.io import files
-from qkv.models import DecoderLM
+from qkv.models import DecoderLM, DecoderLMConfig
 from qkv.tasks import load, train
 from qkv.tasks.lm import LMConfig
 from qkv.training import checkpoint as ckpt
@@ -240,7 +239,7 @@ def test_eval_of_a_run_on_shards_reads_only_the_validation_shards(
 
 
 def _tiny_lm() -> DecoderLM:
-    return DecoderLM(DecoderLMConfig(vocab_size=11, n_layers=1, d_model=16, n_heads=2, max_positions=8))
+    return DecoderLM(model_cfg(DecoderLMConfig, vocab_size=11, n_layers=1, d_model=16, n_heads=2, max_positions=8))
 
 
 def _step(model: DecoderLM, opt: torch.optim.Optimizer, gen: torch.Generator) -> None:
@@ -342,7 +341,7 @@ def test_eval_windows_cover_every_target_exactly_once() -> None:
 def test_evaluate_loss_equals_a_manual_loop_over_positions() -> None:
     """evaluate_loss == mean over t = 1 .. n-1 of -log p(data[t] | the window's tokens before t)."""
     torch.manual_seed(0)
-    model = DecoderLM(DecoderLMConfig(vocab_size=13, n_layers=1, d_model=16, n_heads=2, max_positions=8)).eval()
+    model = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=13, n_layers=1, d_model=16, n_heads=2, max_positions=8)).eval()
     model.double()
     data = torch.randint(0, 13, (30,), generator=torch.Generator().manual_seed(1))  # 29 targets: 3 full windows + 5
     block = 8

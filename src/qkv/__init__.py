@@ -17,11 +17,11 @@ _EXPORTS = {
     "scaled_dot_product_attention": "qkv.attention",
     "MultiHeadAttention": "qkv.attention",
     "record_attention": "qkv.attention",
-    "BlockConfig": "qkv.config",
-    "DecoderLMConfig": "qkv.config",
-    "EncoderConfig": "qkv.config",
-    "ModelConfig": "qkv.config",
-    "TransformerConfig": "qkv.config",
+    "BlockConfig": "qkv.blocks",
+    "DecoderLMConfig": "qkv.models",
+    "EncoderConfig": "qkv.models",
+    "ModelConfig": "qkv.models",
+    "TransformerConfig": "qkv.models",
     "QkvError": "qkv.errors",
     "Sampling": "qkv.generation",
     "generate": "qkv.generation",
@@ -42,11 +42,19 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from qkv.attention import MultiHeadAttention, record_attention, scaled_dot_product_attention
-    from qkv.config import BlockConfig, DecoderLMConfig, EncoderConfig, ModelConfig, TransformerConfig
+    from qkv.blocks import BlockConfig
     from qkv.errors import QkvError
     from qkv.generation import Sampling, generate
     from qkv.interop import from_hf, save_hf
-    from qkv.models import DecoderLM, EncoderModel, Transformer
+    from qkv.models import (
+        DecoderLM,
+        DecoderLMConfig,
+        EncoderConfig,
+        EncoderModel,
+        ModelConfig,
+        Transformer,
+        TransformerConfig,
+    )
     from qkv.quantization import quantize_int8
     from qkv.tasks import load, train
     from qkv.tasks.lm import LMConfig

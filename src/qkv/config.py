@@ -1,336 +1,316 @@
-"""Typed model configs, validated at construction: every choice lives here, not in flags.
+"""Configs: typed, validated dataclasses that build what they describe.
 
-BlockConfig holds what one layer needs; ModelConfig adds vocabulary, depth and positions;
-the three model configs set the defaults of their family.
+Every part of a model has a config beside its module (attention, feed-forward, norm, positions, embedding,
+block, stack, model), and `build()` makes the module. A model config is a tree of them, and so is a run's
+config (qkv.training.config). What this base class gives every config:
+
+- checks when it is made: each field's type, then the config's own rules (`check`), in one-line errors;
+- JSON both ways (`to_dict`, `from_dict`): nested dicts, unknown keys refused by name, and the configs that
+  come in several kinds (attention: mha, mla, sliding; feed-forward: dense, moe; positions: …) tagged "kind";
+- `override({"decoder.block.attention.n_kv_heads": 2})`: a new, checked config with settings changed by dotted
+  path, which is what `qkv train --model KEY=VALUE` does. Setting a part that has kinds to a word switches
+  its kind and keeps the fields both kinds share (`attention=mla`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+import functools
+import types
+import typing
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar, Literal, TypeVar
 
 from qkv.errors import QkvError
 
-Activation = Literal["relu", "gelu", "gelu_tanh", "swiglu", "silu"]
-NormPlacement = Literal["pre", "post"]
-Positions = Literal["sinusoidal", "learned", "rotary", "none"]
-SinusoidLayout = Literal["interleaved", "halves"]
-
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "activation": ("relu", "gelu", "gelu_tanh", "swiglu", "silu"),
-    "attention": ("mha", "mla"),
-    "norm": ("layer", "rms", "batch"),
-    "norm_placement": ("pre", "post"),
-    "positions": ("sinusoidal", "learned", "rotary", "none"),
-    "sinusoid_layout": ("interleaved", "halves"),
-}
-
-C = TypeVar("C", bound="BlockConfig")
+C = TypeVar("C", bound="Config")
+V = TypeVar("V", bound=type)
 
 
-@dataclass(kw_only=True)
-class BlockConfig:
-    """What an encoder or decoder layer is made of."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """The base of every config (see the module docstring)."""
 
-    d_model: int = 512
-    n_heads: int = 8
-    n_kv_heads: int | None = None  # None = n_heads (multi-head); 1 = multi-query; else grouped-query
-    # None = 4 · d_model (ReLU/GELU/SiLU) or ⌈8/3 · d_model⌉₈ (SwiGLU); 0 = no feed-forward (attention-only layers)
-    d_ff: int | None = None
-    dropout: float = 0.1
-    # On the attention weights. None = `dropout` (Tensor2Tensor, HF); the paper drops only sub-layer outputs and
-    # embeddings, and 0 lets PyTorch's fused attention kernel run while training on a CPU.
-    attention_dropout: float | None = None
-    bias: bool = True
-    activation: Activation = "relu"
-    norm: Literal["layer", "rms", "batch"] = "layer"
-    norm_placement: NormPlacement = "post"
-    norm_eps: float = 1e-5
-    # Multi-head latent attention (DeepSeek-V2/V3, qkv.attention.latent) for self-attention; the next fields apply to
-    # "mla" only, which needs rotary positions. Cross-attention is always multi-head attention.
-    attention: Literal["mha", "mla"] = "mha"
-    kv_lora_rank: int | None = None  # d_c, the cached latent's width; None = 4 · d_head (DeepSeek-V2's ratio)
-    q_lora_rank: int | None = None  # the query latent's width; None = no query compression
-    qk_nope_head_dim: int | None = None  # per-head q/k dims without positions; None = d_head
-    qk_rope_head_dim: int | None = None  # per-head decoupled RoPE dims (even); None = d_head / 2
-    v_head_dim: int | None = None  # None = d_head
-    mla_absorb: bool = False  # attend against the cached latent, W_UK and W_UV folded into query and output
-    # Mixture-of-experts feed-forward (DeepSeek-V3, qkv.blocks.moe); moe_experts = 0 keeps every FFN dense.
-    moe_experts: int = 0  # routed experts per MoE layer
-    moe_top_k: int = 2  # routed experts each token uses
-    moe_shared_experts: int = 1  # experts every token uses
-    moe_d_ff: int | None = None  # each expert's hidden width; None = d_ff
-    moe_groups: int = 1  # expert groups for group-limited routing
-    moe_topk_groups: int = 1  # groups a token may route into
-    moe_norm_topk: bool = True  # renormalise the top-k gates to sum to 1
-    moe_scale: float = 1.0  # multiplier on the routed experts' gates (DeepSeek's routed_scaling_factor)
-    moe_first_dense: int = 0  # the first layers keep a dense FFN (DeepSeek's first_k_dense_replace)
+    kind: ClassVar[str] = ""  # a variant's name in JSON and on the command line ("mha", "moe", "rotary", …)
+    variants: ClassVar[dict[str, type[Config]] | None] = None  # set on a config that comes in kinds
 
     def __post_init__(self) -> None:
-        """Validate every field; messages name the field and the rule."""
-        for name, choices in _CHOICES.items():
-            if hasattr(self, name) and getattr(self, name) not in choices:
-                raise QkvError(f"unknown {name} {getattr(self, name)!r}; choose one of: {', '.join(choices)}")
-        _positive(self, "d_model", "n_heads")
-        if self.d_model % self.n_heads != 0:
-            raise QkvError(f"n_heads={self.n_heads} must divide d_model={self.d_model}")
-        if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads != 0):
-            raise QkvError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
-        if self.d_ff is None:
-            # SwiGLU has three matrices instead of two: 8/3 · d_model (rounded up to a multiple of 8)
-            # keeps its parameters and FLOPs equal to a 4 · d_model ReLU/GELU layer's.
-            self.d_ff = 4 * self.d_model if self.activation != "swiglu" else -(-8 * self.d_model // 24) * 8
-        if not isinstance(self.d_ff, int) or isinstance(self.d_ff, bool) or self.d_ff < 0:
-            raise QkvError(f"d_ff must be an integer ≥ 0 (0 = attention-only layers), got {self.d_ff!r}")
-        if self.attention_dropout == self.dropout:
-            self.attention_dropout = None  # one spelling per config, so that equal configs compare equal
-        for name, p in (("dropout", self.dropout), ("attention_dropout", self.attn_dropout)):
-            if not 0.0 <= p < 1.0:
-                raise QkvError(f"{name} must be in [0, 1), got {p}")
-        if self.norm_eps <= 0:
-            raise QkvError(f"norm_eps must be positive, got {self.norm_eps}")
-        _check_latent_attention(self)
-        _check_moe(self)
+        """Check each field's type, then the config's own rules."""
+        for name, hint in _hints(type(self)).items():
+            _check_type(getattr(self, name), hint, name)
+        self.check()
 
-    @property
-    def attn_dropout(self) -> float:
-        """Dropout on attention weights: attention_dropout, or dropout where that is None."""
-        return self.dropout if self.attention_dropout is None else self.attention_dropout
+    def check(self) -> None:
+        """The config's own rules, raising a QkvError that names the field (none by default)."""
 
-    @property
-    def d_head(self) -> int:
-        """d_k = d_v = d_model / n_heads."""
-        return self.d_model // self.n_heads
+    @classmethod
+    def register(cls, variant: V) -> V:
+        """Make `variant` (a subclass with a `kind`) one of the kinds of this config: a class decorator."""
+        if "variants" not in cls.__dict__:
+            raise TypeError(f"{cls.__name__} does not come in kinds")
+        assert cls.variants is not None and variant.kind and issubclass(variant, cls)
+        cls.variants[variant.kind] = variant
+        return variant
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict of every field."""
-        return dataclasses.asdict(self)
+        """A JSON-ready dict: nested configs as dicts, each variant with its "kind" first."""
+        out: dict[str, Any] = {"kind": self.kind} if _kinds_of(type(self)) is not None else {}
+        for f in dataclasses.fields(self):
+            out[f.name] = _plain(getattr(self, f.name))
+        return out
 
     @classmethod
-    def from_dict(cls: type[C], data: dict[str, Any]) -> C:
-        """Build from a dict (e.g. config.json), refusing unknown keys by name."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+    def from_dict(cls: type[C], data: Mapping[str, Any], path: str = "") -> C:
+        """Build from a dict (e.g. a config.json entry); unknown keys and wrong types are refused by name."""
+        if not isinstance(data, Mapping):
+            raise QkvError(f"{path or cls.__name__} must be a JSON object of its fields, got {data!r}")
+        data = dict(data)
+        target = _variant(cls, data.pop("kind", None), path) if _kinds_of(cls) is not None else cls
+        hints = _hints(target)
+        unknown = sorted(set(data) - set(hints))
         if unknown:
-            raise QkvError(f"unknown {cls.__name__} field(s): {', '.join(unknown)}")
-        return cls(**data)
+            where = f"{path} has" if path else f"{target.__name__} has"
+            raise QkvError(f"{where} no field(s) {', '.join(map(str, unknown))}; its fields: {', '.join(hints)}")
+        values = {name: _from_plain(value, hints[name], _join(path, name)) for name, value in data.items()}
+        try:
+            return target(**values)
+        except QkvError as e:
+            raise QkvError(f"{path}: {e}" if path and not str(e).startswith(path) else str(e)) from None
+
+    def override(self: C, settings: Mapping[str, Any]) -> C:
+        """A new config with `settings` (dotted path → value) changed, checked as a whole.
+
+        Changes of kind come first, so the settings of the new kind apply to it whatever their order.
+        """
+        data = self.to_dict()
+        paths = [(path, value) for key, value in settings.items() for path in self.expand(key)]
+        switches = [(p, v) for p, v in paths if _switches_kind(type(self), p, v)]
+        for path, value in switches + [pv for pv in paths if pv not in switches]:
+            _set(type(self), data, path.split("."), value, path)
+        return type(self).from_dict(data)
+
+    def expand(self, key: str) -> list[str]:
+        """The full paths a setting's key stands for (model configs accept shorter ones)."""
+        return [key]
+
+    def leaves(self, prefix: str = "") -> Iterator[tuple[str, Any]]:
+        """(dotted path, value) of every setting, nested configs walked into."""
+        for f in dataclasses.fields(self):
+            value, path = getattr(self, f.name), _join(prefix, f.name)
+            if isinstance(value, Config):
+                yield from value.leaves(path)
+            else:
+                yield path, value
 
 
-@dataclass(kw_only=True)
-class ModelConfig(BlockConfig):
-    """A stack of layers over a vocabulary."""
-
-    vocab_size: int
-    n_layers: int = 6
-    positions: Positions = "learned"
-    # Where the sinusoids' cosines go: interleaved with the sines (the paper), or in the second half (Marian, fairseq).
-    sinusoid_layout: SinusoidLayout = "interleaved"
-    max_positions: int = 1024
-    rope_base: float = 10000.0
-    tie_embeddings: bool = True
-    scale_embeddings: bool = False  # multiply token embeddings by √d_model, as the paper does
-    final_norm: bool | None = None  # None = a final norm for pre-norm stacks only
-    embedding_norm: bool = False  # a norm over the summed embeddings (BERT, BART)
-    position_offset: int = 0  # learned-position rows skipped before position 0 (BART reserves 2)
-
-    def __post_init__(self) -> None:
-        """Validate the model-level fields, then the block's."""
-        super().__post_init__()
-        _positive(self, "vocab_size", "n_layers", "max_positions")
-        _check_position_offset(self)
-        if self.positions == "sinusoidal" and self.d_model % 2:
-            raise QkvError(f"sinusoidal positions need an even d_model, got {self.d_model}")
-        _check_sinusoid_layout(self)
-        if self.positions == "rotary" and self.d_head % 2:
-            raise QkvError(f"rotary positions need an even head dim, got d_model/n_heads={self.d_head}")
-        _check_latent_positions(self)
-        if self.final_norm is None:
-            self.final_norm = self.norm_placement == "pre"
-
-    @property
-    def rotary_dim(self) -> int:
-        """The dims per head that RoPE rotates: the whole head, or MLA's decoupled qk_rope_head_dim part."""
-        return self.qk_rope_head_dim if self.attention == "mla" and self.qk_rope_head_dim else self.d_head
+def _join(path: str, name: str) -> str:
+    """path.name, or name at the top."""
+    return f"{path}.{name}" if path else name
 
 
-@dataclass(kw_only=True)
-class DecoderLMConfig(ModelConfig):
-    """GPT-style decoder-only language model: causal self-attention, pre-norm, GELU."""
-
-    norm_placement: NormPlacement = "pre"
-    activation: Activation = "gelu"
-    dropout: float = 0.0
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """A config class's fields and their resolved type hints, in declaration order."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-@dataclass(kw_only=True)
-class EncoderConfig(ModelConfig):
-    """BERT-style encoder: bidirectional self-attention, post-norm, token types, pooled output."""
-
-    activation: Activation = "gelu"
-    type_vocab_size: int = 2  # 0 = no token-type (segment) embeddings
-    embedding_norm: bool = True  # BERT normalises the summed embeddings
-    pooler: bool = True  # tanh(W · h_[CLS]) as the sequence representation
-    mlm_head: bool = False  # BERT's masked-LM head: transform (dense, activation, norm), then the tied output layer
-
-    def __post_init__(self) -> None:
-        """Validate, then check the encoder-only fields."""
-        super().__post_init__()
-        if self.type_vocab_size < 0:
-            raise QkvError(f"type_vocab_size must be ≥ 0, got {self.type_vocab_size}")
+def _kinds_of(cls: type) -> dict[str, type[Config]] | None:
+    """The kinds of the config family `cls` belongs to (None: a config without kinds)."""
+    return getattr(cls, "variants", None) if isinstance(cls, type) and issubclass(cls, Config) else None
 
 
-@dataclass(kw_only=True)
-class TransformerConfig(BlockConfig):
-    """The encoder–decoder Transformer of "Attention Is All You Need"."""
-
-    src_vocab_size: int
-    tgt_vocab_size: int
-    n_encoder_layers: int = 6
-    n_decoder_layers: int = 6
-    positions: Positions = "sinusoidal"
-    sinusoid_layout: SinusoidLayout = "interleaved"  # "halves": [sin | cos], as Marian (OPUS-MT) lays them out
-    max_positions: int = 1024
-    rope_base: float = 10000.0
-    share_embeddings: bool = False  # one embedding matrix for source and target (shared vocabulary)
-    tie_embeddings: bool = True  # output projection = target embedding matrix (transposed)
-    scale_embeddings: bool = True  # the paper multiplies embeddings by √d_model
-    final_norm: bool | None = None
-    pad_id: int = 0
-    embedding_norm: bool = False  # a norm over each side's summed embeddings (BART's layernorm_embedding)
-    position_offset: int = 0  # learned-position rows skipped before position 0 (BART reserves 2)
-    output_bias: bool = False  # a bias on the output projection (BART's final_logits_bias)
-
-    def __post_init__(self) -> None:
-        """Validate, including that shared embeddings need one vocabulary."""
-        super().__post_init__()
-        _positive(self, "src_vocab_size", "tgt_vocab_size", "n_encoder_layers", "n_decoder_layers")
-        _positive(self, "max_positions")
-        if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
-            raise QkvError(
-                f"share_embeddings needs one vocabulary, got src_vocab_size={self.src_vocab_size} "
-                f"and tgt_vocab_size={self.tgt_vocab_size}"
-            )
-        if self.positions == "sinusoidal" and self.d_model % 2:
-            raise QkvError(f"sinusoidal positions need an even d_model, got {self.d_model}")
-        _check_sinusoid_layout(self)
-        _check_position_offset(self)
-        _check_latent_positions(self)
-        if self.final_norm is None:
-            self.final_norm = self.norm_placement == "pre"
-
-    @classmethod
-    def paper_base(cls, vocab_size: int) -> TransformerConfig:
-        """The paper's base model: N=6, d_model=512, d_ff=2048, h=8, dropout 0.1, shared vocabulary."""
-        return cls(
-            src_vocab_size=vocab_size,
-            tgt_vocab_size=vocab_size,
-            d_model=512,
-            d_ff=2048,
-            n_heads=8,
-            dropout=0.1,
-            share_embeddings=True,
-            tie_embeddings=True,
-        )
-
-    @classmethod
-    def paper_big(cls, vocab_size: int) -> TransformerConfig:
-        """The paper's big model: N=6, d_model=1024, d_ff=4096, h=16, dropout 0.3."""
-        return cls(
-            src_vocab_size=vocab_size,
-            tgt_vocab_size=vocab_size,
-            d_model=1024,
-            d_ff=4096,
-            n_heads=16,
-            dropout=0.3,
-            share_embeddings=True,
-            tie_embeddings=True,
-        )
-
-    def model_config(self, vocab_size: int) -> ModelConfig:
-        """The embedding-side view (positions, scale) used to build one side's Embeddings."""
-        return ModelConfig(
-            **{f.name: getattr(self, f.name) for f in dataclasses.fields(BlockConfig)},
-            vocab_size=vocab_size,
-            positions=self.positions,
-            sinusoid_layout=self.sinusoid_layout,
-            max_positions=self.max_positions,
-            rope_base=self.rope_base,
-            scale_embeddings=self.scale_embeddings,
-            embedding_norm=self.embedding_norm,
-            position_offset=self.position_offset,
-        )
+def _variant(cls: type[C], kind: Any, path: str) -> type[C]:
+    """The class of the kind named in a dict (a config with kinds), or cls itself."""
+    kinds = _kinds_of(cls)
+    assert kinds is not None
+    if kind is None:
+        if cls.kind:
+            return cls
+        raise QkvError(f"{path or cls.__name__} needs a \"kind\": one of {', '.join(kinds)}")
+    found = kinds.get(kind)
+    if found is None or not issubclass(found, cls):
+        allowed = [k for k, v in kinds.items() if issubclass(v, cls)]
+        raise QkvError(f"unknown {path or 'kind'} {kind!r}; choose one of: {', '.join(allowed)}")
+    return found
 
 
-def _check_position_offset(cfg: ModelConfig | TransformerConfig) -> None:
-    """A position offset only shifts a learned table, and cannot be negative."""
-    if cfg.position_offset < 0 or (cfg.position_offset and cfg.positions != "learned"):
-        raise QkvError(f"position_offset={cfg.position_offset} must be ≥ 0 and needs learned positions")
+def _plain(value: Any) -> Any:
+    """A field's value as JSON."""
+    if isinstance(value, Config):
+        return value.to_dict()
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value
 
 
-def _check_sinusoid_layout(cfg: ModelConfig | TransformerConfig) -> None:
-    """A layout other than the paper's only means something for sinusoidal positions (one spelling per config)."""
-    if cfg.sinusoid_layout != "interleaved" and cfg.positions != "sinusoidal":
-        raise QkvError(f"sinusoid_layout={cfg.sinusoid_layout!r} needs positions='sinusoidal', got {cfg.positions!r}")
+def _config_type(hint: Any) -> type[Config] | None:
+    """The config class a hint names (X or X | None), or None."""
+    for option in _options(hint):
+        if isinstance(option, type) and issubclass(option, Config):
+            return option
+    return None
 
 
-def _check_latent_positions(cfg: ModelConfig | TransformerConfig) -> None:
-    """MLA carries positions in its decoupled RoPE key, so it needs rotary positions."""
-    if cfg.attention == "mla" and cfg.positions != "rotary":
-        raise QkvError(f"attention='mla' needs positions='rotary' (its decoupled RoPE key), got {cfg.positions!r}")
+def _options(hint: Any) -> tuple[Any, ...]:
+    """The members of a union hint, or the hint alone."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return typing.get_args(hint)
+    return (hint,)
 
 
-def _check_latent_attention(cfg: BlockConfig) -> None:
-    """MLA's fields: only with attention='mla'; fill the None defaults."""
-    fields = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mla_absorb")
-    if cfg.attention != "mla":
-        stray = [name for name in fields if getattr(cfg, name) not in (None, False)]
-        if stray:
-            raise QkvError(f"{', '.join(stray)} only apply to attention='mla' (got attention={cfg.attention!r})")
+def _item_type(hint: Any) -> Any | None:
+    """The item type of a tuple[X, ...] or list[X] hint (within X | None), or None."""
+    for option in _options(hint):
+        if typing.get_origin(option) in (tuple, list):
+            return typing.get_args(option)[0]
+    return None
+
+
+def _from_plain(value: Any, hint: Any, path: str) -> Any:
+    """A JSON value as the field's type: nested configs built, lists of configs made tuples."""
+    config = _config_type(hint)
+    if config is not None and isinstance(value, Mapping):
+        return config.from_dict(value, path)
+    item = _item_type(hint)
+    if item is not None and isinstance(value, list):
+        return tuple(_from_plain(v, item, f"{path}.{i}") for i, v in enumerate(value))
+    if float in _options(hint) and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    _check_type(value, hint, path)
+    return value
+
+
+def _check_type(value: Any, hint: Any, name: str) -> None:
+    """Refuse a value that is not of the field's type, in one line that names the field."""
+    if not _is_a(value, hint):
+        raise QkvError(f"{name} must be {_describe(hint)}, got {value!r}")
+
+
+def _is_a(value: Any, hint: Any) -> bool:
+    """Whether value fits the hint (int, float, bool, str, Literal, a config, tuples, unions, None)."""
+    if hint is Any:
+        return True
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return any(_is_a(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if typing.get_origin(hint) is Literal:
+        return value in typing.get_args(hint) and isinstance(value, (str, int, bool))
+    if typing.get_origin(hint) in (tuple, list):
+        item = typing.get_args(hint)[0]
+        return isinstance(value, (tuple, list)) and all(_is_a(v, item) for v in value)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint) if isinstance(hint, type) else True
+
+
+def _describe(hint: Any) -> str:
+    """A type hint in words, for messages."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return " or ".join(_describe(h) for h in typing.get_args(hint))
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(hint)))
+    words = {int: "an integer", float: "a number", bool: "True or False", str: "a string", type(None): "None"}
+    if hint in words:
+        return words[hint]
+    if isinstance(hint, type) and issubclass(hint, Config):
+        kinds = _kinds_of(hint)
+        return f"a {hint.__name__}" + (f" (kinds: {', '.join(kinds)})" if kinds else "")
+    return str(hint)
+
+
+def _set(cls: type[Config], data: dict[str, Any], parts: list[str], value: Any, path: str) -> None:
+    """Set data[parts…] = value in a config's dict, `cls` telling what each level may hold."""
+    name, rest = parts[0], parts[1:]
+    hints = _hints(_variant(cls, data.get("kind"), path) if _kinds_of(cls) is not None else cls)
+    if name == "kind" and not rest and _kinds_of(cls) is not None:
+        raise QkvError(f"set {path.rsplit('.', 2)[0]}={value} to change a part's kind")
+    if name not in hints:
+        where = path[: -len(".".join(parts))].rstrip(".") or cls.__name__
+        raise QkvError(f"{where} has no field {name!r} (in {path}); its fields: {', '.join(hints)}")
+    hint, current = hints[name], data.get(name)
+    config = _config_type(hint)
+    if not rest:
+        data[name] = _switched(config, current, value, path) if config and isinstance(value, str) else value
         return
-    if cfg.n_kv_heads is not None:
-        raise QkvError("n_kv_heads does not apply to attention='mla': every head reads the one shared latent")
-    defaults = {"kv_lora_rank": 4 * cfg.d_head, "qk_nope_head_dim": cfg.d_head,
-                "qk_rope_head_dim": max(2, cfg.d_head // 4 * 2), "v_head_dim": cfg.d_head}  # fmt: skip
-    for name, value in defaults.items():
-        if getattr(cfg, name) is None:
-            setattr(cfg, name, value)
-    _positive(cfg, *defaults)
-    if cfg.q_lora_rank is not None:
-        _positive(cfg, "q_lora_rank")
-    if cfg.qk_rope_head_dim is not None and cfg.qk_rope_head_dim % 2:
-        raise QkvError(f"qk_rope_head_dim must be even (RoPE rotates pairs of dims), got {cfg.qk_rope_head_dim}")
-
-
-def _check_moe(cfg: BlockConfig) -> None:
-    """The mixture-of-experts fields, when moe_experts > 0; fill moe_d_ff."""
-    if not isinstance(cfg.moe_experts, int) or cfg.moe_experts < 0:
-        raise QkvError(f"moe_experts must be an integer ≥ 0 (0 = dense FFNs), got {cfg.moe_experts!r}")
-    if cfg.moe_experts == 0:
+    if rest[0] == "kind" and len(rest) == 1 and config is not None and _kinds_of(config) is not None:
+        data[name] = _switched(config, current, value, path)
         return
-    if cfg.d_ff == 0:
-        raise QkvError("moe_experts needs feed-forward layers: d_ff=0 (attention-only) has none")
-    if cfg.moe_d_ff is None:
-        cfg.moe_d_ff = cfg.d_ff
-    _positive(cfg, "moe_top_k", "moe_groups", "moe_topk_groups", "moe_d_ff")
-    for name in ("moe_shared_experts", "moe_first_dense"):
-        if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 0:
-            raise QkvError(f"{name} must be an integer ≥ 0, got {getattr(cfg, name)!r}")
-    per_group = cfg.moe_experts // cfg.moe_groups
-    if cfg.moe_experts % cfg.moe_groups or (cfg.moe_groups > 1 and per_group < 2):
-        raise QkvError(f"moe_groups={cfg.moe_groups} must divide moe_experts={cfg.moe_experts} into groups of ≥ 2")
-    if cfg.moe_topk_groups > cfg.moe_groups:
-        raise QkvError(f"moe_topk_groups={cfg.moe_topk_groups} exceeds moe_groups={cfg.moe_groups}")
-    if cfg.moe_top_k > cfg.moe_topk_groups * per_group:
-        reachable = cfg.moe_topk_groups * per_group
-        raise QkvError(f"moe_top_k={cfg.moe_top_k} exceeds the {reachable} experts a token may reach")
-    if cfg.moe_scale <= 0:
-        raise QkvError(f"moe_scale must be positive, got {cfg.moe_scale}")
+    item = _item_type(hint)
+    if item is not None and _config_type(item) is not None:
+        if not isinstance(current, list) or not rest[0].isdigit() or int(rest[0]) >= len(current):
+            count = len(current) if isinstance(current, list) else 0
+            raise QkvError(f"{path}: {name} holds {count} entries; address one as {name}.N with N < {count}")
+        entry = _config_type(item)
+        assert entry is not None
+        _set(entry, current[int(rest[0])], rest[1:], value, path)
+        return
+    if config is None:
+        raise QkvError(f"{path}: {name} is a setting, not a group of settings; set {name}=VALUE")
+    if current is None:  # an absent optional part (e.g. no embedding norm): start from its defaults
+        current = data[name] = config().to_dict() if config.kind or _kinds_of(config) is None else {}
+    _set(config, current, rest, value, path)
 
 
-def _positive(cfg: object, *names: str) -> None:
+def _switches_kind(cls: type[Config], path: str, value: Any) -> bool:
+    """Whether a setting changes a part's kind: a word given to a part that has kinds, or to its "kind"."""
+    parts = path.split(".")
+    if parts[-1] == "kind":
+        return True
+    i = 0
+    while i < len(parts):
+        hint = _hints(cls).get(parts[i])
+        config = _config_type(hint) if hint is not None else None
+        item = _item_type(hint) if hint is not None and config is None else None
+        if item is not None:  # a list of configs: the next part is an index
+            config, i = _config_type(item), i + 1
+        if config is None:
+            return False
+        cls, i = config, i + 1
+    return isinstance(value, str) and _kinds_of(cls) is not None
+
+
+def _switched(config: type[Config] | None, current: Any, word: str, path: str) -> dict[str, Any]:
+    """A part's dict switched to another kind (or, for a config without kinds, its `kind` field set to the word),
+    keeping the settings both kinds share."""
+    assert config is not None
+    kinds = _kinds_of(config)
+    current = dict(current or {})
+    if kinds is None:
+        if "kind" not in _hints(config):
+            raise QkvError(f"{path} is a group of settings; set one of them: {', '.join(_hints(config))}")
+        return {**current, "kind": word}
+    target = _variant(config, word, path)
+    kept = {k: v for k, v in current.items() if k in _hints(target)}
+    return {"kind": word, **kept}
+
+
+def positive(cfg: object, *names: str) -> None:
     """Raise a QkvError for the first named integer field that is not ≥ 1."""
     for name in names:
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise QkvError(f"{name} must be a positive integer, got {value!r}")
+
+
+def probability(cfg: object, *names: str) -> None:
+    """Raise a QkvError for the first named field outside [0, 1)."""
+    for name in names:
+        value = getattr(cfg, name)
+        if not 0.0 <= value < 1.0:
+            raise QkvError(f"{name} must be in [0, 1), got {value}")
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "", *, fixed: bool = False, flag: str | None = None,
+           factory: Any = dataclasses.MISSING, prefix: str | None = None) -> Any:  # fmt: skip
+    """A config field with its one-line description (the command line's help for it).
+
+    fixed: what a run trains, which a resumed run may not change; flag: its command-line name where the field's own
+    name would not do (optim.name is --optimizer); prefix: on a field holding a config, what its settings' flags
+    start with (lora.rank is --lora-rank).
+    """
+    metadata = {"help": help, "fixed": fixed, "flag": flag, "prefix": prefix}
+    return dataclasses.field(default=default, default_factory=factory, metadata=metadata)

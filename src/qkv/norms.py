@@ -9,15 +9,35 @@ on the other sequences in the batch, which is why Transformers do not use it (`q
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qkv.config import Config
 from qkv.errors import QkvError
 
 NormKind = Literal["layer", "rms", "batch"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class NormConfig(Config):
+    """Which norm, its ε, and whether LayerNorm has a shift β."""
+
+    kind: NormKind = "layer"  # type: ignore[misc]  # a field here: every norm has the same settings
+    eps: float = 1e-5
+    bias: bool = True
+
+    def check(self) -> None:
+        """ε must be positive."""
+        if self.eps <= 0:
+            raise QkvError(f"norm eps must be positive, got {self.eps}")
+
+    def build(self, d_model: int) -> nn.Module:
+        """The norm over d_model features."""
+        return make_norm(self.kind, d_model, self.eps, self.bias)
 
 
 class LayerNorm(nn.Module):

@@ -14,15 +14,19 @@ Three ways, all in this room:
 from __future__ import annotations
 
 import math
-from typing import Literal
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
 
+from qkv.config import Config
 from qkv.errors import QkvError
 
+SinusoidLayout = Literal["interleaved", "halves"]
 
-def sinusoidal_table(max_len: int, d_model: int, layout: Literal["interleaved", "halves"] = "interleaved") -> Tensor:
+
+def sinusoidal_table(max_len: int, d_model: int, layout: SinusoidLayout = "interleaved") -> Tensor:
     """(max_len, d_model) table of the paper's sinusoidal encodings (float32), sin/cos interleaved or in halves."""
     if d_model % 2 != 0:
         raise QkvError(f"sinusoidal positions need an even d_model, got {d_model}")
@@ -54,7 +58,7 @@ class SinusoidalPositionalEncoding(nn.Module):
 
     table: Tensor
 
-    def __init__(self, d_model: int, max_len: int, layout: Literal["interleaved", "halves"] = "interleaved") -> None:
+    def __init__(self, d_model: int, max_len: int, layout: SinusoidLayout = "interleaved") -> None:
         super().__init__()
         self.max_len, self.d_model, self.layout = max_len, d_model, layout
         # Not persistent: it is a pure function of the config, so checkpoints need not carry it.
@@ -147,3 +151,73 @@ def rotate_half(x: Tensor) -> Tensor:
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate x (..., T, D) by the per-position angles: x·cos + rotate_half(x)·sin."""
     return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PositionsConfig(Config):
+    """How a model knows where each token is: one of the kinds below."""
+
+    variants: ClassVar[dict[str, type[Config]] | None] = {}
+
+    def build(self, d_model: int, max_positions: int, rotary_dim: int) -> nn.Module | None:
+        """The module that gives positions (added to the embeddings, or RoPE's tables); None for none."""
+        return None
+
+
+@PositionsConfig.register
+@dataclass(frozen=True, kw_only=True)
+class LearnedPositionsConfig(PositionsConfig):
+    """One trained vector per position (GPT-2, BERT); `offset` rows come first that no position uses (BART's 2)."""
+
+    kind: ClassVar[str] = "learned"
+    offset: int = 0
+
+    def check(self) -> None:
+        """The offset is a row count."""
+        if self.offset < 0:
+            raise QkvError(f"positions offset must be ≥ 0, got {self.offset}")
+
+    def build(self, d_model: int, max_positions: int, rotary_dim: int) -> LearnedPositionalEmbedding:
+        """A table of max_positions + offset rows."""
+        return LearnedPositionalEmbedding(d_model, max_positions + self.offset)
+
+
+@PositionsConfig.register
+@dataclass(frozen=True, kw_only=True)
+class SinusoidalPositionsConfig(PositionsConfig):
+    """The paper's fixed sinusoids, sin/cos interleaved (the paper) or in halves (Marian, fairseq)."""
+
+    kind: ClassVar[str] = "sinusoidal"
+    layout: SinusoidLayout = "interleaved"
+
+    def build(self, d_model: int, max_positions: int, rotary_dim: int) -> SinusoidalPositionalEncoding:
+        """The table of max_positions rows."""
+        if d_model % 2:
+            raise QkvError(f"sinusoidal positions need an even d_model, got {d_model}")
+        return SinusoidalPositionalEncoding(d_model, max_positions, self.layout)
+
+
+@PositionsConfig.register
+@dataclass(frozen=True, kw_only=True)
+class RotaryPositionsConfig(PositionsConfig):
+    """RoPE: queries and keys rotated by their position, with frequencies base^(−2i/d)."""
+
+    kind: ClassVar[str] = "rotary"
+    base: float = 10000.0
+
+    def check(self) -> None:
+        """The base must be positive."""
+        if self.base <= 0:
+            raise QkvError(f"rotary base must be positive, got {self.base}")
+
+    def build(self, d_model: int, max_positions: int, rotary_dim: int) -> RotaryEmbedding:
+        """cos/sin tables over the rotated dims of a head."""
+        return RotaryEmbedding(rotary_dim, max_positions, base=self.base)
+
+
+@PositionsConfig.register
+@dataclass(frozen=True, kw_only=True)
+class NoPositionsConfig(PositionsConfig):
+    """No positions at all (a causal decoder can still infer them; the lab compares)."""
+
+    kind: ClassVar[str] = "none"

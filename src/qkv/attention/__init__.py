@@ -1,5 +1,8 @@
-"""Attention: scaled dot-product attention, masks, multi-head / grouped-query / latent attention, KV caches,
-and recording the attention weights."""
+"""Attention: scaled dot-product attention, masks, multi-head / grouped-query / latent / sliding-window attention,
+KV caches, and recording the attention weights.
+
+Importing a kind's module registers its config with AttentionConfig: a block may then declare it by its kind.
+"""
 
 from qkv.attention.cache import (
     KVCache,
@@ -11,7 +14,8 @@ from qkv.attention.cache import (
     settled_length,
     storage_dtype,
 )
-from qkv.attention.latent import LatentAttention, LatentKVCache, set_absorb
+from qkv.attention.config import AttentionConfig
+from qkv.attention.latent import LatentAttention, LatentAttentionConfig, LatentKVCache, set_absorb
 from qkv.attention.masks import (
     causal_mask,
     combine_masks,
@@ -19,18 +23,21 @@ from qkv.attention.masks import (
     padding_mask_from_lengths,
     sliding_window_mask,
 )
-from qkv.attention.multi_head import MultiHeadAttention
+from qkv.attention.multi_head import MultiHeadAttention, MultiHeadAttentionConfig
 from qkv.attention.record import AttentionRecord, AttentionRecorder, record_attention
 from qkv.attention.sdpa import scaled_dot_product_attention
 
 __all__ = [
+    "AttentionConfig",
     "AttentionRecord",
     "AttentionRecorder",
     "KVCache",
     "LatentAttention",
+    "LatentAttentionConfig",
     "LatentKVCache",
     "LayerCache",
     "MultiHeadAttention",
+    "MultiHeadAttentionConfig",
     "cache_length",
     "causal_mask",
     "combine_masks",

@@ -29,24 +29,62 @@ not cache. Weight names follow the paper: W_DQ = q_down, W_UQ/W_QR = q_up, W_DKV
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from qkv.attention.cache import KVCache
+from qkv.attention.config import AttentionConfig
 from qkv.attention.masks import causal_mask
 from qkv.attention.record import active_recorder
 from qkv.attention.sdpa import scaled_dot_product_attention
+from qkv.config import positive
 from qkv.errors import QkvError
 from qkv.norms import RMSNorm
 from qkv.positional import apply_rotary
 
-if TYPE_CHECKING:
-    from qkv.config import BlockConfig
-
 # DeepSeek normalises its latents with RMSNorm's default ε whatever the model's rms_norm_eps is.
 LATENT_NORM_EPS = 1e-6
+
+
+@AttentionConfig.register
+@dataclass(frozen=True, kw_only=True)
+class LatentAttentionConfig(AttentionConfig):
+    """Multi-head latent attention; each size left None takes DeepSeek-V2's ratio to the head dim d_h."""
+
+    kind: ClassVar[str] = "mla"
+    kv_lora_rank: int | None = None  # d_c, the cached latent's width; None = 4 · d_h
+    q_lora_rank: int | None = None  # the query latent's width; None = no query compression
+    qk_nope_head_dim: int | None = None  # per-head q/k dims without positions; None = d_h
+    qk_rope_head_dim: int | None = None  # per-head decoupled RoPE dims (even); None = d_h / 2, rounded to even
+    v_head_dim: int | None = None  # None = d_h
+    absorb: bool = False  # attend against the cached latent, W_UK and W_UV folded into query and output
+
+    def check(self) -> None:
+        """The shared rules; the sizes given must be positive, the RoPE dims even."""
+        super().check()
+        given = [n for n in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+                 if getattr(self, n) is not None]  # fmt: skip
+        positive(self, *given)
+        if self.qk_rope_head_dim is not None and self.qk_rope_head_dim % 2:
+            raise QkvError(f"qk_rope_head_dim must be even (RoPE rotates pairs of dims), got {self.qk_rope_head_dim}")
+
+    def sizes(self, d_model: int) -> tuple[int, int, int, int]:
+        """(kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim), the defaults filled for width d_model."""
+        d_head = self.head_dim(d_model)
+        return (self.kv_lora_rank or 4 * d_head, self.qk_nope_head_dim or d_head,
+                self.qk_rope_head_dim or max(2, d_head // 4 * 2), self.v_head_dim or d_head)  # fmt: skip
+
+    def rotary_dim(self, d_model: int) -> int:
+        """MLA rotates only its decoupled RoPE dims."""
+        return self.sizes(d_model)[2]
+
+    def build(self, d_model: int, index: int = 0) -> LatentAttention:
+        """LatentAttention over width d_model."""
+        return LatentAttention(d_model, self.n_heads, *self.sizes(d_model), self.q_lora_rank, self.bias, self.dropout,
+                               self.absorb)  # fmt: skip
 
 
 class LatentKVCache(KVCache):
@@ -166,13 +204,6 @@ class LatentAttention(nn.Module):
         self.kv_up = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)  # [W_UK; W_UV]
         self.out_proj = nn.Linear(n_heads * v_head_dim, d_model, bias=bias)  # W_O
 
-    @classmethod
-    def from_config(cls, cfg: BlockConfig) -> LatentAttention:
-        """The LatentAttention a (validated) attention='mla' config describes."""
-        assert cfg.kv_lora_rank and cfg.qk_nope_head_dim and cfg.qk_rope_head_dim and cfg.v_head_dim
-        dims = (cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim)
-        return cls(cfg.d_model, cfg.n_heads, *dims, cfg.q_lora_rank, cfg.bias, cfg.attn_dropout, cfg.mla_absorb)
-
     def new_cache(self, capacity: int = 256) -> LatentKVCache:
         """An empty cache for this layer."""
         return LatentKVCache(self.kv_lora_rank, capacity)
@@ -272,4 +303,4 @@ def set_absorb(model: nn.Module, absorb: bool) -> int:
     return len(layers)
 
 
-__all__ = ["LATENT_NORM_EPS", "LatentAttention", "LatentKVCache", "set_absorb"]
+__all__ = ["LATENT_NORM_EPS", "LatentAttention", "LatentAttentionConfig", "LatentKVCache", "set_absorb"]

@@ -61,3 +61,19 @@ def combine_masks(*masks: Tensor | None) -> Tensor | None:
         if m is not None:
             out = m if out is None else out & m
     return out
+
+
+def visible_mask(mask: Tensor | None, causal: bool, t_q: int, t_k: int,
+                 device: torch.device) -> tuple[Tensor | None, Tensor | None]:  # fmt: skip
+    """The mask with the causal triangle in it, and which query rows see any key at all (None without a mask).
+
+    A query with no visible key would take a softmax over nothing (NaN). Its row is opened to every key, and
+    attention multiplies its output by row_visible (0): no NaN forward or backward, and no host sync to find it.
+    """
+    if causal and t_q > 1:  # the single newest query sees every key: nothing to mask
+        tri = causal_mask(t_q, t_k, device=device)  # (T_q, T_k)
+        mask = tri if mask is None else mask & tri
+    if mask is None:
+        return None, None
+    row_visible = mask.any(dim=-1, keepdim=True)  # (..., T_q, 1)
+    return mask | ~row_visible, row_visible

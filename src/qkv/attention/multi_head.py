@@ -10,13 +10,35 @@ attention), which shrinks the KV cache by n_heads / n_kv_heads.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from torch import Tensor, nn
 
 from qkv.attention.cache import KVCache
-from qkv.attention.record import active_recorder
+from qkv.attention.config import AttentionConfig
 from qkv.attention.sdpa import scaled_dot_product_attention
 from qkv.errors import QkvError
 from qkv.positional import apply_rotary
+
+
+@AttentionConfig.register
+@dataclass(frozen=True, kw_only=True)
+class MultiHeadAttentionConfig(AttentionConfig):
+    """Multi-head attention; n_kv_heads < n_heads shares key/value heads (grouped-query; 1 = multi-query)."""
+
+    kind: ClassVar[str] = "mha"
+    n_kv_heads: int | None = None  # None = n_heads
+
+    def check(self) -> None:
+        """The shared rules, and key/value heads that divide the query heads."""
+        super().check()
+        if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
+            raise QkvError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
+
+    def build(self, d_model: int, index: int = 0) -> MultiHeadAttention:
+        """MultiHeadAttention over width d_model."""
+        return MultiHeadAttention(d_model, self.n_heads, self.n_kv_heads, bias=self.bias, dropout=self.dropout)
 
 
 class MultiHeadAttention(nn.Module):
@@ -77,24 +99,9 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self._queries_keys_values(x, context, cache, rope)
         if mask is not None and not 2 <= mask.dim() <= 4:
             raise QkvError(f"mask must broadcast to (B, H, T_q, T_k), got {mask.dim()} dims {tuple(mask.shape)}")
-        group = self.n_heads // self.n_kv_heads  # query heads served by each K/V head
-        # Grouped queries that see the same keys under the same mask can share one K/V head without
-        # copying it: fold the group into the query axis, (B, H, T_q, D) → (B, H_kv, G·T_q, D). That holds
-        # when no mask row depends on the query (one new token while decoding, or an unmasked/padding-only
-        # mask without causality); otherwise each K/V head serves its group inside the kernel (kv_groups).
-        fold = (
-            group > 1
-            and active_recorder() is None  # recorded weights keep one row per query head
-            and (t_q == 1 or (not causal and (mask is None or mask.shape[-2] == 1)))
-            and (mask is None or mask.dim() < 3 or mask.shape[-3] == 1)
-        )
-        if fold:
-            q = q.reshape(b, self.n_kv_heads, group * t_q, self.d_head)
         dropout_p = self.dropout if self.training else 0.0
-        context_vecs = scaled_dot_product_attention(q, k, v, mask=mask, causal=causal and not fold, dropout_p=dropout_p,
-                                                    kv_groups=1 if fold else group)  # fmt: skip
-        if fold:
-            context_vecs = context_vecs.reshape(b, self.n_heads, t_q, self.d_head)  # (B, H, T_q, D)
+        context_vecs = scaled_dot_product_attention(q, k, v, mask=mask, causal=causal, dropout_p=dropout_p,
+                                                    kv_groups=self.n_heads // self.n_kv_heads)  # (B, H, T_q, D)
         context_vecs = context_vecs.to(x.dtype)
         # Concat(head_1, …, head_h): (B, H, T_q, D) → (B, T_q, H·D), then W_O.
         return self.out_proj(context_vecs.transpose(1, 2).reshape(b, t_q, self.n_heads * self.d_head))

@@ -8,11 +8,52 @@ Marian's activation) has no gate: W_2 silu(W_1 x).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.blocks.dropout import Dropout
+from qkv.config import Config, probability
 from qkv.errors import QkvError
+
+Activation = Literal["relu", "gelu", "gelu_tanh", "swiglu", "silu"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FeedForwardConfig(Config):
+    """A dense position-wise feed-forward layer (kind "dense"); qkv.blocks.moe adds the mixture of experts."""
+
+    variants: ClassVar[dict[str, type[Config]] | None] = {}
+    kind: ClassVar[str] = "dense"
+
+    # None = 4 · d_model, or ⌈8/3 · d_model⌉ rounded up to a multiple of 8 for SwiGLU (its three matrices then hold
+    # as many parameters as two of 4 · d_model); 0 = no feed-forward layer (attention-only blocks)
+    d_ff: int | None = None
+    activation: Activation = "relu"
+    bias: bool = True
+    dropout: float = 0.1  # on the hidden layer while training
+
+    def check(self) -> None:
+        """A width ≥ 0 and a dropout probability."""
+        if self.d_ff is not None and self.d_ff < 0:
+            raise QkvError(f"d_ff must be an integer ≥ 0 (0 = attention-only layers), got {self.d_ff!r}")
+        probability(self, "dropout")
+
+    def width(self, d_model: int) -> int:
+        """The hidden width: d_ff, or its default for d_model and the activation."""
+        if self.d_ff is not None:
+            return self.d_ff
+        return 4 * d_model if self.activation != "swiglu" else -(-8 * d_model // 24) * 8
+
+    def build(self, d_model: int) -> nn.Module | None:
+        """The feed-forward layer over width d_model; None for d_ff = 0."""
+        width = self.width(d_model)
+        return FeedForward(d_model, width, self.activation, self.dropout, self.bias) if width else None
+
+
+FeedForwardConfig.register(FeedForwardConfig)
 
 
 class FeedForward(nn.Module):

@@ -18,17 +18,55 @@ DeepSeek-V3's router:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.blocks.feed_forward import FeedForward
+from qkv.blocks.feed_forward import FeedForward, FeedForwardConfig
+from qkv.config import positive
 from qkv.errors import QkvError
 
-if TYPE_CHECKING:
-    from qkv.config import BlockConfig
+
+@FeedForwardConfig.register
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig(FeedForwardConfig):
+    """A mixture of experts (kind "moe"); d_ff, activation, bias and dropout are each expert's."""
+
+    kind: ClassVar[str] = "moe"
+    experts: int = 8  # routed experts
+    top_k: int = 2  # routed experts each token uses
+    shared_experts: int = 1  # experts every token uses
+    groups: int = 1  # expert groups for group-limited routing
+    topk_groups: int = 1  # groups a token may route into
+    norm_topk: bool = True  # renormalise the top-k gates to sum to 1
+    scale: float = 1.0  # multiplier on the routed experts' gates (DeepSeek's routed_scaling_factor)
+
+    def check(self) -> None:
+        """The feed-forward rules, then routing that can reach top_k experts."""
+        super().check()
+        if self.d_ff == 0:
+            raise QkvError("a mixture of experts needs feed-forward layers: d_ff=0 (attention-only) has none")
+        positive(self, "experts", "top_k", "groups", "topk_groups")
+        if self.shared_experts < 0:
+            raise QkvError(f"shared_experts must be an integer ≥ 0, got {self.shared_experts!r}")
+        per_group = self.experts // self.groups
+        if self.experts % self.groups or (self.groups > 1 and per_group < 2):
+            raise QkvError(f"groups={self.groups} must divide experts={self.experts} into groups of ≥ 2")
+        if self.topk_groups > self.groups:
+            raise QkvError(f"topk_groups={self.topk_groups} exceeds groups={self.groups}")
+        if self.top_k > self.topk_groups * per_group:
+            raise QkvError(f"top_k={self.top_k} exceeds the {self.topk_groups * per_group} experts a token may reach")
+        if self.scale <= 0:
+            raise QkvError(f"scale must be positive, got {self.scale}")
+
+    def build(self, d_model: int) -> MoEFeedForward:
+        """The mixture over width d_model."""
+        return MoEFeedForward(d_model, self.width(d_model), self.experts, self.top_k, self.shared_experts, self.groups,
+                              self.topk_groups, self.norm_topk, self.scale, self.activation, self.dropout,
+                              self.bias)  # fmt: skip
 
 
 class MoEFeedForward(nn.Module):
@@ -53,11 +91,11 @@ class MoEFeedForward(nn.Module):
     ) -> None:
         super().__init__()
         if n_experts < 1 or n_groups < 1 or n_experts % n_groups or (n_groups > 1 and n_experts // n_groups < 2):
-            raise QkvError(f"moe_groups={n_groups} must divide moe_experts={n_experts} into groups of ≥ 2")
+            raise QkvError(f"groups={n_groups} must divide experts={n_experts} into groups of ≥ 2")
         if not 1 <= topk_groups <= n_groups:
-            raise QkvError(f"moe_topk_groups must be in [1, moe_groups={n_groups}], got {topk_groups}")
+            raise QkvError(f"topk_groups must be in [1, groups={n_groups}], got {topk_groups}")
         if not 1 <= top_k <= topk_groups * (n_experts // n_groups):
-            raise QkvError(f"moe_top_k={top_k} must be in [1, experts in the allowed groups]")
+            raise QkvError(f"top_k={top_k} must be in [1, experts in the allowed groups]")
         self.n_experts, self.top_k, self.n_groups, self.topk_groups = n_experts, top_k, n_groups, topk_groups
         self.norm_topk, self.scale = norm_topk, scale
         self.router = nn.Linear(d_model, n_experts, bias=False)  # W_r: one affinity logit per expert
@@ -70,14 +108,6 @@ class MoEFeedForward(nn.Module):
     def reset_parameters(self) -> None:
         """The load-balancing bias back to zero (its own state; the experts are initialised as any Linear)."""
         self.score_bias.zero_()
-
-    @classmethod
-    def from_config(cls, cfg: BlockConfig) -> MoEFeedForward:
-        """The MoE layer a (validated) config with moe_experts > 0 describes."""
-        assert cfg.moe_d_ff is not None
-        return cls(cfg.d_model, cfg.moe_d_ff, cfg.moe_experts, cfg.moe_top_k, cfg.moe_shared_experts,
-                   cfg.moe_groups, cfg.moe_topk_groups, cfg.moe_norm_topk, cfg.moe_scale, cfg.activation,
-                   cfg.dropout, cfg.bias)  # fmt: skip
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Gates (N, top_k) and expert ids (N, top_k) for tokens x (N, d_model); computed in float32."""
@@ -109,4 +139,4 @@ class MoEFeedForward(nn.Module):
         return out.view_as(x)
 
 
-__all__ = ["MoEFeedForward"]
+__all__ = ["MoEConfig", "MoEFeedForward"]

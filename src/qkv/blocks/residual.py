@@ -12,8 +12,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from qkv.blocks.dropout import Dropout
-from qkv.config import BlockConfig
-from qkv.norms import make_norm
+from qkv.norms import NormConfig
 
 
 class ResidualNorm(nn.Module):
@@ -23,11 +22,11 @@ class ResidualNorm(nn.Module):
     (qkv.interpret names it resid_mid).
     """
 
-    def __init__(self, cfg: BlockConfig) -> None:
+    def __init__(self, d_model: int, norm: NormConfig, pre_norm: bool, dropout: float) -> None:
         super().__init__()
-        self.pre_norm = cfg.norm_placement == "pre"
-        self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, bias=cfg.bias)
-        self.dropout = Dropout(cfg.dropout)
+        self.pre_norm = pre_norm
+        self.norm = norm.build(d_model)
+        self.dropout = Dropout(dropout)
 
     def before(self, x: Tensor) -> Tensor:
         """The sublayer's input: Norm(x) for pre-norm, x itself for post-norm."""

@@ -59,7 +59,7 @@ class ChatSession:
 
     def prompt(self) -> tuple[list[int], int]:
         """The rendered conversation's ids, ready for the reply, and how many exchanges were dropped to fit."""
-        limit = self.model.cfg.max_positions - self.max_new_tokens
+        limit = self.model.cfg.context_length - self.max_new_tokens
         dropped = 0
         while True:
             ids = self.tokenizer.encode(self.template.render(self.messages(), add_generation_prompt=True))
@@ -67,7 +67,7 @@ class ChatSession:
                 return ids, dropped
             if len(self.history) <= 1:
                 raise QkvError(f"the message is {len(ids)} tokens with the template; the model reads "
-                               f"{self.model.cfg.max_positions}, {self.max_new_tokens} of them kept for the reply: "
+                               f"{self.model.cfg.context_length}, {self.max_new_tokens} of them kept for the reply: "
                                "shorten it, or lower --max-new-tokens")  # fmt: skip
             cut = next((i for i in range(1, len(self.history)) if self.history[i]["role"] == "user"),
                        len(self.history) - 1)  # fmt: skip
@@ -116,7 +116,7 @@ class ChatSession:
         if not self.reuse_cache:
             return None
         if self._cache is None:  # it grows (doubling) as the conversation does
-            self._cache = self.model.new_cache(min(self.model.cfg.max_positions, len(ids) + self.max_new_tokens))
+            self._cache = self.model.new_cache(min(self.model.cfg.context_length, len(ids) + self.max_new_tokens))
         shared = next((i for i, (a, b) in enumerate(zip(self._cached, ids, strict=False)) if a != b),
                       min(len(self._cached), len(ids)))  # fmt: skip
         shared = min(shared, len(ids) - 1)  # the prompt's last token is read again: its logits give the reply's first

@@ -53,9 +53,9 @@ def _session(args: argparse.Namespace) -> Any:
 
         input_major(lm.model)  # as `qkv generate`: one float32 sequence, the CPU reads Wᵀ (in, out) faster
     tokenizer = lm.tokenizer
-    if args.max_new_tokens >= lm.model.cfg.max_positions:
+    if args.max_new_tokens >= lm.model.cfg.context_length:
         raise QkvError(f"--max-new-tokens {args.max_new_tokens} leaves no room for the conversation in the model's "
-                       f"{lm.model.cfg.max_positions}-token context; lower it")  # fmt: skip
+                       f"{lm.model.cfg.context_length}-token context; lower it")  # fmt: skip
     session = ChatSession(lm.model, tokenizer, ChatTemplate.of(source, tokenizer), sampling, args.max_new_tokens,
                           args.system)  # fmt: skip
     return session, lm.name
@@ -66,7 +66,7 @@ def _reply(session: Any, text: str) -> None:
     tokens, dropped = session.say(text)
     if dropped:
         print(f"(the {dropped} oldest exchange{'s' if dropped > 1 else ''} no longer fit the model's "
-              f"{session.model.cfg.max_positions}-token context and {'were' if dropped > 1 else 'was'} dropped)")
+              f"{session.model.cfg.context_length}-token context and {'were' if dropped > 1 else 'was'} dropped)")
     shown = TextStream(session.tokenizer.decode, [])
     sys.stdout.write("model> ")
     try:
@@ -101,7 +101,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     session, name = _session(args)
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401  (line editing and history for input(), where the platform has it)
-    print(f"qkv chat: {name}, {session.model.cfg.max_positions}-token context. {HELP}.")
+    print(f"qkv chat: {name}, {session.model.cfg.context_length}-token context. {HELP}.")
     while True:
         try:
             line = input("you> ").strip()

@@ -79,7 +79,7 @@ def _read(src: Path, base: str | None = None) -> _Source:
     """Read SRC once (a GGUF file is dequantised here): a Hugging Face checkpoint, or a qkv directory."""
     from qkv.finetune import peft_model
     from qkv.finetune.peft import ADAPTER_CONFIG
-    from qkv.finetune.runs import load_lm_dir
+    from qkv.finetune import load_lm_dir
     from qkv.interop import family_of, from_hf, marian, read_checkpoint, read_marian_tokenizer, tokenizer_from_hf
     from qkv.interop.marian_tokenizer import read_tokenizer
     from qkv.interop.qkv_dir import is_qkv_dir
@@ -149,14 +149,13 @@ def _write_gguf(source: _Source, dst: Path, dtype: str) -> None:
 
 def _write_peft(src: Path, dst: Path) -> None:
     """Write a LoRA run's adapters (not merged) as a PEFT adapter directory."""
-    from qkv.finetune import load_lora_run, lora_spec_of, save_peft
-    from qkv.finetune.base import is_lora_run
+    from qkv.finetune import is_lora_run, load_lora_run, lora_of, save_peft
     from qkv.io.run_dir import read_run_config
 
     if not is_lora_run(src):
         raise QkvError(f"--to peft writes a LoRA run's adapters; {src} is not a LoRA run (train with --lora-rank)")
     stored = read_run_config(src)
-    spec = lora_spec_of(stored["training"])
+    spec = lora_of(stored["training"])
     assert spec is not None
     save_peft(load_lora_run(src, stored, merge=False), dst, spec, stored["base"]["path"])
 
@@ -174,7 +173,7 @@ def _check_destination(dst: Path, to: str) -> None:
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     """Read SRC once, build the qkv model, write DST."""
-    from qkv.finetune.base import is_lora_run
+    from qkv.finetune import is_lora_run
     from qkv.interop.marian_tokenizer import MarianTokenizer
     from qkv.interop.qkv_dir import save_qkv
     from qkv.models import DecoderLM

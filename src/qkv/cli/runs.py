@@ -99,11 +99,12 @@ def _penalty_options(p: argparse.ArgumentParser) -> None:
 def _load(args: argparse.Namespace, expect: str | None = None, stored: dict[str, Any] | None = None) -> Any:
     """The run named on the command line, on its device (`stored`: its config.json, if read already)."""
     from qkv.io.devices import resolve_device
-    from qkv.tasks import load, task_run
+    from qkv.tasks import config_class, load, run_class
 
     device = resolve_device(args.device)
     if stored is not None:
-        return task_run(stored["task"]).load(Path(args.run_dir), args.checkpoint, device, stored)
+        cls = run_class(config_class(stored["task"]).from_stored(stored))
+        return cls.load(Path(args.run_dir), args.checkpoint, device, stored)
     return load(args.run_dir, args.checkpoint, device, expect)
 
 
@@ -281,7 +282,7 @@ def _marian_translator(args: argparse.Namespace) -> tuple[Translator, int]:
     gen = generation_settings(directory)
     model = from_hf(directory).to(resolve_device(args.device))
     assert isinstance(model, Transformer)
-    max_len = min(gen.max_length, model.cfg.max_positions) - 1  # transformers' max_length counts the start token
+    max_len = min(gen.max_length, model.cfg.context_length) - 1  # transformers' max_length counts the start token
     lp = gen.length_penalty if args.length_penalty is None else args.length_penalty
     translator = Translator(model, tokenizer, Specials(pad=gen.pad, bos=gen.start, eos=gen.eos), lp, 0.0, "hf",
                             gen.early_stopping, max_len, gen.forced_eos)  # fmt: skip

@@ -1,9 +1,8 @@
 """`qkv train [TASK] [options]`: train one of qkv.tasks through the one loop.
 
-The options are generated from the task's config class (LMConfig, TranslateConfig, …): one per field,
-with the field's help text and the task's own default, so a new setting appears here, in config.json
-and in the Python API together. Only the settings given on the command line are passed on: a resumed
-run keeps its stored settings except those.
+The options are generated from the task's config class: one per setting, each with its help text and the task's
+recipe's default (`qkv train TASK --help` shows them), and --model KEY=VALUE for the model's settings. The settings
+given are laid over the task's recipe (fine-tuning's, with --init-from), or over a resumed run's stored config.
 """
 
 from __future__ import annotations
@@ -20,12 +19,11 @@ from qkv.errors import QkvError
 from qkv.tasks import TASKS
 
 if TYPE_CHECKING:
-    from qkv.training import RunConfig, Task
+    from qkv.training import RunConfig
 
-# Short options for common model fields: (option, help, the model-config fields it sets).
+# Short options for common model settings: (name, help); a model config takes each as a short path.
 SHORTCUTS = (("n_layers", "layers"), ("d_model", "model width"),
-             ("n_heads", "attention heads"), ("dropout", "dropout probability"))  # fmt: skip
-_SKIPPED = ("model",)  # fields with an option of their own shape (--model KEY=VALUE)
+             ("n_heads", "attention heads"), ("dropout", "dropout probability (every dropout of the model)"))  # fmt: skip
 
 
 def register(sub: Any) -> None:
@@ -36,9 +34,8 @@ def register(sub: Any) -> None:
 
 def main(argv: list[str]) -> int:
     """Parse `qkv train [TASK] …` for its task, train, and print what the task shows at the end."""
-    from qkv.tasks import config_class, task_class, train
+    from qkv.tasks import config_class, recipe, resumed, train
     from qkv.training.distributed import is_main_process
-    from qkv.training.loop import stored_run
 
     task, rest = _task_of(argv)
     cls = config_class(task)
@@ -46,13 +43,11 @@ def main(argv: list[str]) -> int:
     args, unknown = parser.parse_known_args(rest)
     if unknown:
         _refuse(task, unknown, parser)
-    settings = _settings(args, cls)
-    cfg = cls(**settings)  # checked here, once, before any process is launched
+    settings = _settings(args)
+    cfg = resumed(task, settings) if settings.get("resume") else recipe(task, settings)  # checked once, here
     nproc = getattr(args, "nproc", None)
     if nproc is not None:
-        if cfg.resume:  # the merged settings are checked here, not once in every process
-            cfg.resumed_from(stored_run(task_class(task), cfg)["training"])
-        return _launch(nproc, ["train", task, *_without_nproc(rest)], cfg, task_class(task))
+        return _launch(nproc, ["train", task, *_without_nproc(rest)], cfg)
     result = train(cfg)
     if not is_main_process():  # under torchrun, rank 0 reports for the run
         return 130 if result.interrupted else 0
@@ -74,46 +69,92 @@ def _task_of(argv: list[str]) -> tuple[str, list[str]]:
     return "lm", argv
 
 
-def build_parser(task: str, cls: type[RunConfig]) -> argparse.ArgumentParser:
-    """`qkv train TASK`'s parser: an option per field of the task's config class, none with a default."""
+def build_parser(task: str, cls: type[RunConfig[Any]]) -> argparse.ArgumentParser:
+    """`qkv train TASK`'s parser: an option per setting of the task's config class, none with a default (the ones
+    shown are the recipe's)."""
+    from qkv.tasks import recipe
+
     prog = "qkv train" if task == "lm" else f"qkv train {task}"
     others = ", ".join(f"qkv train {name}" for name in TASKS if name != task)
     p = Parser(prog=prog, description=f"{TASKS[task].summary}. Other tasks: {others} (each has its own --help).",
-               argument_default=argparse.SUPPRESS)  # fmt: skip
-    hints = typing.get_type_hints(cls)
-    defaults = cls()
-    for f in dataclasses.fields(cls):
-        if f.name in _SKIPPED:
-            continue
-        kind = _value_type(hints[f.name])
+               argument_default=argparse.SUPPRESS, epilog=_epilog(task))  # fmt: skip
+    defaults = recipe(task)
+    for flag, path, f, hint in _options(cls):
+        kind = _value_type(hint)
         text = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
-        if f.metadata.get("choices"):
-            text += f"; one of {', '.join(f.metadata['choices'])}"
-        default = getattr(defaults, f.name)
-        flag = f"--{f.name.replace('_', '-')}"
-        if f.name == "resume":  # an action, not a setting
-            p.add_argument(flag, dest=f.name, action="store_true", help=text)
+        default = _at(defaults, path)
+        option = f"--{flag.replace('_', '-')}"
+        if flag == "resume":  # an action, not a setting
+            p.add_argument(option, dest=flag, action="store_true", help=text)
         elif kind is bool:  # --compile / --no-compile: a resumed run may turn a stored setting off again
-            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=f"{text} (default {default})")
+            p.add_argument(option, dest=flag, action=argparse.BooleanOptionalAction, help=f"{text} (default {default})")
         else:
-            p.add_argument(flag, dest=f.name, type=kind, help=f"{text} (default {default})")
-    model_cls = cls.model_config
+            shown = ",".join(default) if isinstance(default, tuple) else "none" if default is None else default
+            p.add_argument(option, dest=flag, type=kind, help=f"{text} (default {shown})", **_choices(hint))
     p.add_argument("--model", action="append", type=key_value, metavar="KEY=VALUE",
-                   help=f"any {model_cls.__name__} field, e.g. --model positions=rotary (repeatable)")  # fmt: skip
-    sides = "n_layers" not in {f.name for f in dataclasses.fields(model_cls)}  # an encoder–decoder counts per side
+                   help=f"a setting of the model ({cls.model_class.__name__}): a path such as "
+                        "decoder.block.attention.n_kv_heads=2, a block's or stack's setting for every block "
+                        "(attention.n_kv_heads=2, n_layers=4), or attention=mla to change a part's kind "
+                        "(repeatable)")  # fmt: skip
+    sides = " (of the encoder and of the decoder)" if len(cls.model_class.stacks) > 1 else ""
     for name, text in SHORTCUTS:
-        text += " (of the encoder and of the decoder)" if name == "n_layers" and sides else ""
         p.add_argument(f"--{name.replace('_', '-')}", dest=f"shortcut_{name}", type=int if name != "dropout" else float,
-                       metavar=name.upper(), help=f"model: {text}")  # fmt: skip
+                       metavar=name.upper(), help=f"model: {text}{sides if name == 'n_layers' else ''}")  # fmt: skip
     p.add_argument("--nproc", type=int, help="train on N local processes (torch's elastic launcher, like torchrun)")
     return p
 
 
+def _options(cls: type[RunConfig[Any]]) -> list[tuple[str, str, dataclasses.Field[Any], Any]]:
+    """(flag, dotted path, field, type hint) of every setting the task's config has, the model's excepted."""
+    from qkv.training import RunConfig
+    from qkv.training.config import setting_fields
+
+    shared = {f.name for f in dataclasses.fields(RunConfig)}
+    options = list(setting_fields(cls))
+    return [o for o in options if o[1].split(".")[0] not in shared] + [o for o in options if o[1].split(".")[0] in shared]
+
+
+def _epilog(task: str) -> str | None:
+    """What --help adds after the options: the fine-tuning recipe, for a language model."""
+    if task != "lm":
+        return None
+    from qkv.tasks.finetune import SETTINGS
+
+    changed = ", ".join(f"--{k.rsplit('.', 1)[-1].replace('_', '-')} {v}" for k, v in SETTINGS.items())
+    return (f"With --init-from CHECKPOINT the model is the checkpoint's and fine-tuning's defaults apply: {changed} "
+            "(--lr 2e-4 with --lora-rank); a JSON Lines file of conversations as --data trains a chat model.")
+
+
+def _at(cfg: object, path: str) -> Any:
+    """A setting's value by dotted path (None inside an absent section)."""
+    for part in path.split("."):
+        cfg = getattr(cfg, part, None)
+    return cfg
+
+
+def _choices(hint: Any) -> dict[str, Any]:
+    """argparse's choices for a Literal setting (or Literal | None)."""
+    for option in typing.get_args(hint) if _is_union(hint) else (hint,):
+        if typing.get_origin(option) is typing.Literal:
+            return {"choices": [*typing.get_args(option), *(["none"] if _is_union(hint) else [])]}
+    return {}
+
+
+def _is_union(hint: Any) -> bool:
+    """Whether a hint is X | Y."""
+    return isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+
+
 def _value_type(hint: Any) -> Any:
-    """The option's type for a field's type hint: int, float, str or bool; for X | None, X or the word "none"."""
-    if not (isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union):
+    """The option's type for a setting's hint: int, float, str or bool; a tuple of strings, comma-separated; for
+    X | None, X or the word "none"."""
+    if typing.get_origin(hint) is tuple:
+        return _comma_list
+    if typing.get_origin(hint) is typing.Literal:
+        return str
+    if not _is_union(hint):
         return hint
-    kind = next(h for h in typing.get_args(hint) if h is not type(None))
+    kind = _value_type(next(h for h in typing.get_args(hint) if h is not type(None)))
 
     def value_or_none(text: str) -> Any:
         return None if text.lower() == "none" else kind(text)
@@ -122,20 +163,22 @@ def _value_type(hint: Any) -> Any:
     return value_or_none
 
 
-def _settings(args: argparse.Namespace, cls: type[RunConfig]) -> dict[str, Any]:
-    """The config fields given on the command line, with --model and the shortcuts gathered into `model`."""
-    given = vars(args)
-    settings = {f.name: given[f.name] for f in dataclasses.fields(cls) if f.name in given and f.name not in _SKIPPED}
-    fields = {f.name for f in dataclasses.fields(cls.model_config)}
-    model: dict[str, Any] = {}
+def _comma_list(text: str) -> tuple[str, ...]:
+    """a,b,c → ("a", "b", "c")."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+_comma_list.__name__ = "comma-separated list"
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings given on the command line: flags by name, model settings as model.KEY."""
+    given = {k: v for k, v in vars(args).items() if k != "nproc"}
+    settings = {k: v for k, v in given.items() if not k.startswith("shortcut_") and k != "model"}
     for name, _ in SHORTCUTS:
         if f"shortcut_{name}" in given:
-            # The encoder–decoder configs count layers per side; --n-layers sets both.
-            targets = [name] if name in fields else [n for n in ("n_encoder_layers", "n_decoder_layers") if n in fields]
-            model.update(dict.fromkeys(targets, given[f"shortcut_{name}"]))
-    model.update(dict(given.get("model", [])))
-    if model:
-        settings["model"] = model  # laid over the task's recipe by the config
+            settings[f"model.{name}"] = given[f"shortcut_{name}"]
+    settings |= {f"model.{key}": value for key, value in given.get("model", [])}
     return settings
 
 
@@ -147,7 +190,7 @@ def _refuse(task: str, unknown: list[str], parser: argparse.ArgumentParser) -> N
     owners = {}
     for flag in flags:
         name = flag[2:].replace("-", "_")
-        owner = next((t for t in TASKS if any(f.name == name for f in dataclasses.fields(config_class(t)))), None)
+        owner = next((t for t in TASKS if name in config_class(t).flags()), None)
         if owner is None:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         owners[flag] = owner
@@ -171,14 +214,16 @@ def _without_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def _launch(nproc: int, argv: list[str], cfg: RunConfig, task: type[Task]) -> int:
+def _launch(nproc: int, argv: list[str], cfg: RunConfig[Any]) -> int:
     """Run the same `qkv train` in nproc local processes; the run directory is chosen here, once."""
+    from qkv.tasks import task_class
     from qkv.training.distributed import launch
     from qkv.training.loop import default_run_dir
 
     if nproc < 1:
         raise QkvError(f"--nproc must be a positive integer, got {nproc}")
-    if cfg.out_dir is None:  # chosen once, so the failure message can name it
-        cfg.out_dir = str(default_run_dir(task, cfg))
-        argv += ["--out-dir", cfg.out_dir]
-    return launch(nproc, argv, cfg.out_dir)
+    out_dir = cfg.checkpoint.out_dir
+    if out_dir is None:  # chosen once, so the failure message can name it
+        out_dir = str(default_run_dir(task_class(cfg), cfg))
+        argv += ["--out-dir", out_dir]
+    return launch(nproc, argv, out_dir)

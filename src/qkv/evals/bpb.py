@@ -96,7 +96,7 @@ def text_bpb(model: DecoderLM, tokenizer: Tokenizer, source: Path | None, block_
 def bpb_of(lm: EvalModel, source: str | None, batch_size: int = 32) -> BpbResult:
     """`qkv eval MODEL --bpb [SOURCE]`: text_bpb in windows of the model's context (at most MAX_BLOCK tokens)."""
     device = next(lm.model.parameters()).device
-    block_size = min(lm.model.cfg.max_positions, MAX_BLOCK)
+    block_size = min(lm.model.cfg.context_length, MAX_BLOCK)
     return text_bpb(lm.model, lm.tokenizer, Path(source) if source else None, block_size, batch_size, device)
 
 

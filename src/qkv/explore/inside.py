@@ -70,7 +70,7 @@ def prompt_ids(run: Any, text: str, what: str, limit: int, view: str) -> list[in
     ids = list(run.require_tokenizer().encode(text))
     if not ids:
         raise QkvError(f"the {what} encodes to no tokens")
-    context = run.model.cfg.max_positions
+    context = run.model.cfg.context_length
     if len(ids) > context:
         raise QkvError(f"the {what} is {len(ids)} tokens long but the model reads at most {context}; shorten it")
     if len(ids) > limit:
@@ -138,7 +138,7 @@ def ordinary_range(tokenizer: Any, vocab: int) -> tuple[int, int]:
 def repeat_limit(model: nn.Module) -> int:
     """The longest random sequence that fits twice in the model's context (at most MAX_REPEAT)."""
     cfg: Any = model.cfg
-    return min(MAX_REPEAT, int(cfg.max_positions) // 2)
+    return min(MAX_REPEAT, int(cfg.context_length) // 2)
 
 
 def heads(run: Any, seed: int = 0, length: int | None = None, batch: int = 4) -> dict[str, Any]:

@@ -32,16 +32,11 @@ def pack(array: np.ndarray | torch.Tensor) -> dict[str, Any]:
     return {"shape": list(a.shape), "data": base64.b64encode(a.tobytes()).decode("ascii")}
 
 
-def _layers(cfg: Any) -> list[int]:
-    """Layers per stack: [n_layers] for one stack, [encoder, decoder] for an encoder–decoder."""
-    return [cfg.n_layers] if hasattr(cfg, "n_layers") else [cfg.n_encoder_layers, cfg.n_decoder_layers]
-
-
 def describe(run: Any) -> dict[str, Any]:
     """What the page needs to set up its controls for a run: task, layers, heads and context length."""
     cfg = run.model.cfg
-    return {"task": run.task, "n_layers": max(_layers(cfg)), "n_heads": cfg.n_heads,
-            "max_positions": cfg.max_positions, "causal": isinstance(run.model, DecoderLM),
+    return {"task": run.task, "n_layers": max(cfg.depths()), "n_heads": cfg.max_heads(),
+            "max_positions": cfg.context_length, "causal": isinstance(run.model, DecoderLM),
             "chat_prompt": chat_prompt(run)}  # fmt: skip
 
 
@@ -65,7 +60,7 @@ def attention(run: Any, text: str, layer: int | None = None, head: int | None = 
     layer, head: only that layer (and head) of each kind, as (1, 1 or H, T_q, T_k) arrays.
     """
     _check_size(run, text)
-    n_layers, n_heads = max(_layers(run.model.cfg)), run.model.cfg.n_heads
+    n_layers, n_heads = max(run.model.cfg.depths()), run.model.cfg.max_heads()
     if layer is not None and not 0 <= layer < n_layers:
         raise QkvError(f"layer {layer} is out of range: the model has layers 0 to {n_layers - 1}")
     if head is not None and not 0 <= head < n_heads:
@@ -90,10 +85,10 @@ def attention(run: Any, text: str, layer: int | None = None, head: int | None = 
 def _check_size(run: Any, text: str) -> None:
     """Refuse a text whose maps (every layer and head) would not fit in memory: a long text on a large model."""
     cfg = run.model.cfg
-    layers = sum(_layers(cfg)) + (_layers(cfg)[-1] if run.task == "translate" else 0)  # cross-attention too
+    layers = sum(cfg.depths()) + (cfg.depths()[-1] if run.task == "translate" else 0)  # cross-attention too
     n = len(run.require_tokenizer().encode(text))
     n *= 2 if run.task == "translate" else 1  # a translation's output is about as long again
-    limit = int((MAX_WEIGHTS / (layers * cfg.n_heads)) ** 0.5)
+    limit = int((MAX_WEIGHTS / (layers * cfg.max_heads())) ** 0.5)
     if n > limit:
         raise QkvError(f"the text is about {n} tokens long; this model's maps (every layer and head) hold at most "
                        f"{limit} tokens: shorten it")  # fmt: skip
@@ -151,7 +146,7 @@ def _distribution(logits: torch.Tensor, sampling: Sampling, tokenizer: Any) -> d
 def next_token(run: Any, text: str | None, ids: list[int] | None, sampling: Sampling) -> dict[str, Any]:
     """The next-token distribution after the text (its last max_positions tokens, as generation reads them)."""
     model = _language_model(run)
-    window = _ids(run, text, ids)[-model.cfg.max_positions :]
+    window = _ids(run, text, ids)[-model.cfg.context_length :]
     logits, _ = _forward(model, window)
     return _distribution(logits, sampling, run.require_tokenizer())
 
@@ -161,7 +156,7 @@ def step(run: Any, text: str | None, ids: list[int] | None, sampling: Sampling) 
     model = _language_model(run)
     tokenizer = run.require_tokenizer()
     ids = _ids(run, text, ids)
-    window = ids[-model.cfg.max_positions :]
+    window = ids[-model.cfg.context_length :]
     logits, weights = _forward(model, window, record=True)
     generator = sampling.generator(logits.device)
     token = int(sample_next(logits[None], sampling, generator)[0])

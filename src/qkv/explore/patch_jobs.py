@@ -142,8 +142,8 @@ def patch_limit(model: DecoderLM) -> int:
     """The longest prompt patched: MAX_PATCH_TOKENS, fewer where L passes of T × max(T, H) tokens exceed the work
     budget, and at most the context."""
     cfg, size = model.cfg, sum(p.numel() for p in model.parameters())
-    limit = min(MAX_PATCH_TOKENS, cfg.max_positions)
-    while limit > 1 and size * cfg.n_layers * limit * max(limit, cfg.n_heads) > MAX_PATCH_WORK:
+    limit = min(MAX_PATCH_TOKENS, cfg.context_length)
+    while limit > 1 and size * cfg.decoder.n_layers * limit * max(limit, cfg.max_heads()) > MAX_PATCH_WORK:
         limit -= 1
     return limit
 

@@ -1,26 +1,24 @@
 """The checkpoint a fine-tuning run starts from: a GGUF file, a Hugging Face directory, a `qkv convert` directory
-or a qkv run (a LoRA run's adapters merged into its own base), with its tokenizer and a reference that pins it.
-
-A LoRA run stores only its adapters, so it needs its base again whenever it is loaded: the reference holds the
-base's absolute path and a sha256 of its weights, and a base that has changed since is refused rather than
-silently combined with adapters trained on other weights.
+or a qkv run (a LoRA run's adapters merged into its own base), with its tokenizer and a reference that pins it
+(qkv.finetune.reference); and LoRA runs loaded back: their base, hash-checked, then their adapters.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torch import Tensor, nn
+
 from qkv.errors import QkvError
-from qkv.io.files import file_sha256, load_json
-from qkv.io.run_dir import CONFIG_FILE
-from qkv.models import DecoderLM
+from qkv.finetune.reference import base_reference, check_reference, checkpoint_kind, is_lora_run, lora_of
+from qkv.io.files import load_json, load_safetensors
+from qkv.io.run_dir import BEST_FILE, CHECKPOINTS, CONFIG_FILE, LAST_FILE, check_weights, read_run_config
+from qkv.lora import LoRAConfig, add_lora, merge_lora
+from qkv.models import DecoderLM, DecoderLMConfig, QkvConfig, QkvModel, config_from_dict
 from qkv.tokenizers import Tokenizer
 
-_WEIGHT_SUFFIX = ".safetensors"
-_NOT_WEIGHTS = ("last.safetensors", "last_optim.safetensors")  # a run's resume state, rewritten as it trains
 _METADATA = ("bos_token_id", "eos_token_id", "pad_token_id", "chat_template", "gguf_pre_tokenizer")
 
 
@@ -34,52 +32,25 @@ class Base:
     reference: dict[str, Any]
 
 
-def _kind(path: Path, role: str = "--init-from") -> str:
-    """gguf, qkv (a run or a `qkv convert` directory) or hf; a one-line error (naming the option, `role`) else."""
-    from qkv.interop.qkv_dir import is_qkv_dir
-
-    if not path.exists():
-        raise QkvError(f"{role} {path}: no such file or directory")
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        return "gguf"
-    if path.is_dir() and is_qkv_dir(path):
-        return "qkv"
-    if path.is_dir() and (path / CONFIG_FILE).is_file() and any(path.glob(f"*{_WEIGHT_SUFFIX}")):
-        return "hf"
-    raise QkvError(f"{role} {path} is not a checkpoint: give a .gguf file, a Hugging Face directory "
-                   "(config.json + safetensors), a `qkv convert` directory or a qkv run")  # fmt: skip
-
-
-def weights_digest(path: str | Path) -> str:
-    """sha256 of a checkpoint's weights: the file itself, or a directory's weight files (names and contents)."""
-    path = Path(path)
-    if path.is_file():
-        return file_sha256(path)
-    files = sorted(p for p in path.glob(f"*{_WEIGHT_SUFFIX}") if p.name not in _NOT_WEIGHTS)
-    digest = hashlib.sha256()
-    for file in files:
-        digest.update(f"{file.name}\0{file_sha256(file)}\n".encode())
-    return digest.hexdigest()
-
-
-def base_reference(path: str | Path, role: str = "--init-from") -> dict[str, Any]:
-    """{"path": absolute path, "sha256": weights_digest, "kind": gguf | hf | qkv} of a checkpoint."""
+def base_config(path: str | Path, role: str = "--init-from") -> DecoderLMConfig:
+    """The model config of the checkpoint at `path`, read without its weights (a decoder-only one, or an error)."""
     path = Path(path).expanduser().resolve()
-    kind = _kind(path, role)
-    return {"path": str(path), "sha256": weights_digest(path), "kind": kind}
+    if checkpoint_kind(path, role) == "qkv":
+        stored = load_json(path / CONFIG_FILE)
+        cfg: QkvConfig = config_from_dict(stored.get("model_type", "decoder_lm"), stored["model"])
+    else:
+        from qkv.interop import config_of
+
+        cfg = config_of(path)
+    return _decoder_only(cfg, path, role)
 
 
-def check_reference(reference: dict[str, Any], run: str | Path) -> Path:
-    """The base a LoRA run names, if it is still there with the same weights; else a one-line error."""
-    path = Path(reference["path"])
-    if not path.exists():
-        raise QkvError(f"{run} is a LoRA run of {path}, which is gone; put the base back there (sha256 "
-                       f"{reference['sha256'][:12]}…) or export the run merged while you have it")  # fmt: skip
-    if weights_digest(path) != reference["sha256"]:
-        raise QkvError(f"{run} is a LoRA run of {path}, whose weights have changed since (sha256 "
-                       f"{weights_digest(path)[:12]}…, the run was trained on {reference['sha256'][:12]}…); "
-                       "restore that base, or train the adapters again on this one")  # fmt: skip
-    return path
+def _decoder_only(cfg: QkvConfig, where: Path, role: str) -> DecoderLMConfig:
+    """The config of a decoder-only language model, or a one-line error naming what the checkpoint holds."""
+    if not isinstance(cfg, DecoderLMConfig):
+        raise QkvError(f"{role} {where} holds a {type(cfg).__name__.removesuffix('Config')}; {role} takes "
+                       "decoder-only language models (GPT-2, Llama/SmolLM2, DeepSeek)")  # fmt: skip
+    return cfg
 
 
 def load_base(path: str | Path, reference: dict[str, Any] | None = None, role: str = "--init-from") -> Base:
@@ -92,8 +63,6 @@ def load_base(path: str | Path, reference: dict[str, Any] | None = None, role: s
     where = Path(ref["path"])
     tokenizer: Tokenizer | None
     if ref["kind"] == "qkv":
-        from qkv.finetune.runs import load_lm_dir
-
         model, tokenizer = load_lm_dir(where), read_tokenizer(where)
         if reference is None:  # a fine-tuned run's own checkpoint's ids and chat template, passed on
             ref["metadata"] = dict((load_json(where / CONFIG_FILE).get("base") or {}).get("metadata") or {})
@@ -102,19 +71,53 @@ def load_base(path: str | Path, reference: dict[str, Any] | None = None, role: s
         model, tokenizer = from_hf(ckpt), tokenizer_from_hf(ckpt)
         if reference is None:  # what exporting the fine-tuned model needs again: the special ids, the chat template
             ref["metadata"] = {k: ckpt.config[k] for k in _METADATA if ckpt.config.get(k) is not None}
-    if not isinstance(model, DecoderLM):
-        raise QkvError(f"{role} {where} holds a {type(model).__name__}; {role} takes decoder-only language models "
-                       "(GPT-2, Llama/SmolLM2, DeepSeek)")  # fmt: skip
+    _decoder_only(model.cfg, where, role)
     if tokenizer is None:
         raise QkvError(f"{role} {where} has no tokenizer qkv reads (tokenizer.json, vocab.json + merges.txt, "
                        "or GGUF metadata)")  # fmt: skip
+    assert isinstance(model, DecoderLM)
     return Base(model.requires_grad_(True), tokenizer, ref)  # a merged LoRA run comes back partly frozen
 
 
-def is_lora_run(directory: str | Path) -> bool:
-    """Whether a directory is a qkv run that stores LoRA adapters (and a reference to its base)."""
-    config = Path(directory) / CONFIG_FILE
-    if not config.is_file():
-        return False
-    stored = load_json(config)
-    return "base" in stored and (stored.get("training") or {}).get("lora_rank") is not None
+def complete_state(model: nn.Module, saved: dict[str, Tensor], source: Path) -> dict[str, Tensor]:
+    """A run's saved tensors (its adapters) with the model's frozen ones around them, checked as a whole."""
+    state = {**model.state_dict(), **saved}
+    check_weights(model, state, source)
+    return state
+
+
+def load_lora_run(directory: str | Path, stored: dict[str, Any] | None = None, checkpoint: str = "best",
+                  merge: bool = True) -> DecoderLM:  # fmt: skip
+    """A LoRA run's model: its base (refused if its weights changed), its adapters, merged unless merge=False."""
+    directory = Path(directory)
+    stored = read_run_config(directory) if stored is None else stored
+    lora = lora_of(stored["training"])
+    if lora is None or "base" not in stored:
+        raise QkvError(f"{directory} is not a LoRA run (its config.json has no LoRA settings and base)")
+    check_reference(stored["base"], directory)
+    model = load_base(stored["base"]["path"], stored["base"]).model
+    cfg = config_from_dict(stored["model_type"], stored["model"])
+    if cfg != model.cfg:  # e.g. dropout given for fine-tuning: the same weights in the run's own model
+        rebuilt = DecoderLM(cfg)  # type: ignore[arg-type]
+        rebuilt.load_state_dict(model.state_dict())
+        model = rebuilt
+    return _with_adapters(model, lora, directory, checkpoint, merge)
+
+
+def _with_adapters(model: DecoderLM, lora: LoRAConfig, directory: Path, checkpoint: str, merge: bool) -> DecoderLM:
+    """The model with a run's trained adapters (best or last), merged into its weights unless merge=False."""
+    add_lora(model, lora)
+    if checkpoint not in CHECKPOINTS:
+        raise QkvError(f"checkpoint must be 'best' or 'last', got {checkpoint!r}")
+    weights = directory / (BEST_FILE if checkpoint == "best" else LAST_FILE)
+    if not weights.is_file():
+        raise QkvError(f"{directory} has no {weights.name} yet (training has not reached its first evaluation)")
+    model.load_state_dict(complete_state(model, load_safetensors(weights), weights))
+    return (merge_lora(model) if merge else model).eval()  # type: ignore[return-value]
+
+
+def load_lm_dir(directory: str | Path) -> QkvModel:
+    """A qkv directory's model: a `qkv convert` directory or a run, a LoRA run merged onto its base."""
+    from qkv.interop.qkv_dir import load_qkv
+
+    return load_lora_run(directory) if is_lora_run(directory) else load_qkv(directory)

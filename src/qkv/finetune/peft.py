@@ -14,10 +14,10 @@ from typing import Any
 
 from torch import nn
 
-from qkv.blocks.lora import LoRASpec, add_lora, lora_modules, merge_lora
 from qkv.errors import QkvError
 from qkv.finetune.base import Base, load_base
 from qkv.io.files import atomic_save_safetensors, atomic_write_json, load_json, load_safetensors
+from qkv.lora import LoRAConfig, add_lora, lora_modules, merge_lora
 from qkv.models import DecoderLM
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -46,7 +46,7 @@ def hf_module_names(model: nn.Module) -> dict[str, str]:
     return names
 
 
-def save_peft(model: nn.Module, directory: str | Path, spec: LoRASpec, base: str = "") -> Path:
+def save_peft(model: nn.Module, directory: str | Path, spec: LoRAConfig, base: str = "") -> Path:
     """Write the model's adapters as a PEFT LoRA adapter that peft's PeftModel.from_pretrained loads."""
     adapters = lora_modules(model)
     if not adapters:
@@ -66,7 +66,7 @@ def save_peft(model: nn.Module, directory: str | Path, spec: LoRASpec, base: str
     targets = sorted({names[n].rsplit(".", 1)[-1] for n in adapters})
     atomic_write_json(directory / ADAPTER_CONFIG, {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": spec.rank,
-        "lora_alpha": spec.alpha, "lora_dropout": spec.dropout, "target_modules": targets, "bias": "none",
+        "lora_alpha": spec.effective_alpha, "lora_dropout": spec.dropout, "target_modules": targets, "bias": "none",
         "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
         "init_lora_weights": True, "inference_mode": True,
     })  # fmt: skip
@@ -89,7 +89,7 @@ def _read_config(directory: Path) -> dict[str, Any]:
     return config
 
 
-def load_peft(model: nn.Module, directory: str | Path) -> LoRASpec:
+def load_peft(model: nn.Module, directory: str | Path) -> LoRAConfig:
     """Add a PEFT LoRA adapter's modules to the model and load its weights; refuse one for another architecture."""
     directory = Path(directory)
     config = _read_config(directory)
@@ -107,8 +107,8 @@ def load_peft(model: nn.Module, directory: str | Path) -> LoRASpec:
                            "another architecture; load it onto the base it was trained on")  # fmt: skip
         found.setdefault(module, {})[match["part"]] = tensor
     rank = int(config["r"])
-    spec = LoRASpec(rank, float(config.get("lora_alpha", 8)), float(config.get("lora_dropout", 0.0)),
-                    tuple(re.escape(m) for m in sorted(found)))  # fmt: skip
+    spec = LoRAConfig(rank=rank, alpha=float(config.get("lora_alpha", 8)), dropout=float(config.get("lora_dropout", 0.0)),
+                      targets=tuple(re.escape(m) for m in sorted(found)))  # fmt: skip
     add_lora(model, spec)
     for name, m in lora_modules(model).items():
         for part in ("lora_A", "lora_B"):

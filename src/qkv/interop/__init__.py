@@ -16,6 +16,9 @@ from typing import Any
 from qkv.errors import QkvError
 from qkv.interop import bart, bert, deepseek, gpt2, llama, marian
 from qkv.interop.hf_io import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    WEIGHTS_INDEX,
     Checkpoint,
     Family,
     export_mapped,
@@ -26,7 +29,7 @@ from qkv.interop.hf_io import (
 )
 from qkv.interop.marian_tokenizer import MarianTokenizer, is_marian_tokenizer_dir
 from qkv.io.files import atomic_write_json, load_json
-from qkv.models import DecoderLM, QkvModel, Transformer, build_model, model_type_of
+from qkv.models import DecoderLM, QkvConfig, QkvModel, Transformer, build_model, model_type_of
 from qkv.tokenizers import ByteBPETokenizer, Tokenizer
 
 FAMILIES: dict[str, Family] = {}  # config.json model_type → family
@@ -60,6 +63,28 @@ def from_hf(source: str | Path | Checkpoint) -> QkvModel:
     model = build_model(cfg)
     load_mapped(model, ckpt, family, family.name_map(cfg))
     return model.eval()
+
+
+def config_of(source: str | Path) -> QkvConfig:
+    """The model config of a .gguf file or a Hugging Face directory, read without the weights."""
+    from safetensors import safe_open
+
+    path = Path(source)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        from qkv.interop.gguf_reader import read_gguf_config
+
+        config, names = read_gguf_config(path), []  # (a Llama's config needs no tensor names)
+    else:
+        if not (path / CONFIG_FILE).is_file():
+            raise QkvError(f"{path} has no {CONFIG_FILE}: not a Hugging Face model directory")
+        config = load_json(path / CONFIG_FILE)
+        index = path / WEIGHTS_INDEX
+        if index.is_file():
+            names = list(load_json(index).get("weight_map") or {})
+        else:
+            with safe_open(str(path / WEIGHTS_FILE), "pt") as f:  # the header alone: the names, not the tensors
+                names = list(f.keys())
+    return family_of(config).config_from_hf(config, names)
 
 
 def tokenizer_from_hf(source: str | Path | Checkpoint) -> ByteBPETokenizer | None:
@@ -153,7 +178,7 @@ def save_hf(
     eos = tokenizer.eos_id if tokenizer is not None else None
     if isinstance(model, Transformer):
         ids = marian.token_ids(model.cfg, token_ids or {}, eos)
-        generation = generation or marian.generation_config(ids, model.cfg.max_positions)
+        generation = generation or marian.generation_config(ids, model.cfg.context_length)
         config |= ids
     else:
         config |= {"bos_token_id": None, "eos_token_id": eos, "pad_token_id": None, **(token_ids or {})}
@@ -172,6 +197,7 @@ __all__ = [
     "FAMILIES",
     "Checkpoint",
     "Family",
+    "config_of",
     "export_family",
     "family_of",
     "from_hf",

@@ -11,8 +11,11 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from qkv.config import EncoderConfig
+from qkv.attention import MultiHeadAttentionConfig
+from qkv.blocks import BlockConfig, FeedForwardConfig, StackConfig
 from qkv.interop.hf_io import Family, NameMap, Ref, activation_from_hf, hf_value, linear, norm, unsupported
+from qkv.models import EmbeddingConfig, EncoderConfig
+from qkv.norms import NormConfig
 
 NAME = "BERT"
 
@@ -25,23 +28,24 @@ def config_from_hf(hf: dict[str, Any], tensor_names: Collection[str]) -> Encoder
     for flag in ("is_decoder", "add_cross_attention"):
         if hf.get(flag):
             raise unsupported(NAME, flag, True)
+    dropout, norm_cfg = hf_value(hf, "hidden_dropout_prob", NAME, 0.1), NormConfig(eps=hf_value(hf, "layer_norm_eps",
+                                                                                                 NAME, 1e-12))
+    block = BlockConfig(
+        attention=MultiHeadAttentionConfig(n_heads=hf_value(hf, "num_attention_heads", NAME),
+                                           dropout=hf_value(hf, "attention_probs_dropout_prob", NAME, 0.1)),
+        ffn=FeedForwardConfig(d_ff=hf_value(hf, "intermediate_size", NAME), dropout=0.0,  # none on its hidden layer
+                              activation=activation_from_hf(hf_value(hf, "hidden_act", NAME, "gelu"), NAME)),
+        norm=norm_cfg,
+        norm_placement="post",
+        dropout=dropout,
+    )  # fmt: skip
     return EncoderConfig(
         vocab_size=hf_value(hf, "vocab_size", NAME),
         d_model=hf_value(hf, "hidden_size", NAME),
-        n_heads=hf_value(hf, "num_attention_heads", NAME),
-        n_layers=hf_value(hf, "num_hidden_layers", NAME),
-        d_ff=hf_value(hf, "intermediate_size", NAME),
         max_positions=hf_value(hf, "max_position_embeddings", NAME),
-        positions="learned",
-        norm="layer",
-        norm_placement="post",
-        norm_eps=hf_value(hf, "layer_norm_eps", NAME, 1e-12),
-        activation=activation_from_hf(hf_value(hf, "hidden_act", NAME, "gelu"), NAME),
-        bias=True,
-        dropout=hf_value(hf, "hidden_dropout_prob", NAME, 0.1),
-        attention_dropout=hf_value(hf, "attention_probs_dropout_prob", NAME, 0.1),
-        type_vocab_size=hf_value(hf, "type_vocab_size", NAME, 2),
-        embedding_norm=True,
+        embedding=EmbeddingConfig(norm=norm_cfg, type_vocab_size=hf_value(hf, "type_vocab_size", NAME, 2),
+                                  dropout=dropout),
+        encoder=StackConfig(n_layers=hf_value(hf, "num_hidden_layers", NAME), block=block, final_norm=False),
         pooler=any(name.endswith("pooler.dense.weight") for name in tensor_names),
     )
 
@@ -53,11 +57,11 @@ def name_map(cfg: EncoderConfig) -> NameMap:
         "embed.positions.weight": Ref("embeddings.position_embeddings.weight"),
         **norm("embed.norm", "embeddings.LayerNorm"),
     }
-    if cfg.type_vocab_size > 0:
+    if cfg.embedding.type_vocab_size > 0:
         refs["embed.token_types.weight"] = Ref("embeddings.token_type_embeddings.weight")
     if cfg.pooler:
         refs |= linear("pooler", "pooler.dense")
-    for i in range(cfg.n_layers):
+    for i in range(cfg.encoder.n_layers):
         q, h = f"encoder.layers.{i}", f"encoder.layer.{i}"
         for proj, hf_proj in (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value")):
             refs |= linear(f"{q}.self_attn.{proj}", f"{h}.attention.self.{hf_proj}")

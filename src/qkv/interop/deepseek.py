@@ -18,6 +18,7 @@ attention biases, which this loader does not implement. Multi-token-prediction l
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,11 +27,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qkv.config import DecoderLMConfig
+from qkv.attention import LatentAttentionConfig
+from qkv.blocks import BlockConfig, FeedForwardConfig, MoEConfig, StackConfig
 from qkv.errors import QkvError
 from qkv.interop.hf_io import Family, NameMap, Ref, hf_value, linear, load_mapped, norm, read_checkpoint, unsupported
 from qkv.interop.llama import shell_name_map
-from qkv.models import DecoderLM
+from qkv.models import DecoderLM, DecoderLMConfig, EmbeddingConfig
+from qkv.norms import NormConfig
+from qkv.positional import RotaryPositionsConfig
 
 NAME = "DeepSeek-V3"
 MODEL_TYPE = "deepseek_v3"
@@ -52,38 +56,40 @@ def config_from_hf(hf: dict[str, Any], tensor_names: Collection[str] = ()) -> De
     n_heads = hf_value(hf, "num_attention_heads", NAME)
     if hf.get("num_key_value_heads") not in (None, n_heads):  # MLA's heads all read one latent
         raise unsupported(NAME, "num_key_value_heads", hf["num_key_value_heads"])
-    moe: dict[str, Any] = {}
-    if hf.get("n_routed_experts"):
-        moe = {"moe_experts": hf["n_routed_experts"], "moe_top_k": hf_value(hf, "num_experts_per_tok", NAME),
-               "moe_shared_experts": hf.get("n_shared_experts", 1) or 0,
-               "moe_d_ff": hf_value(hf, "moe_intermediate_size", NAME), "moe_groups": hf.get("n_group") or 1,
-               "moe_topk_groups": hf.get("topk_group") or 1, "moe_norm_topk": bool(hf.get("norm_topk_prob", True)),
-               "moe_scale": float(hf.get("routed_scaling_factor", 1.0)),
-               "moe_first_dense": hf.get("first_k_dense_replace") or 0}  # fmt: skip
+    dense = FeedForwardConfig(d_ff=hf_value(hf, "intermediate_size", NAME), activation="swiglu", bias=False,
+                              dropout=0.0)  # fmt: skip
+    block = BlockConfig(attention=_latent(hf, n_heads), ffn=dense, norm=NormConfig(kind="rms", eps=hf_value(
+                        hf, "rms_norm_eps", NAME, 1e-6), bias=False), norm_placement="pre", dropout=0.0)  # fmt: skip
+    n_layers, layers = hf_value(hf, "num_hidden_layers", NAME), ()
+    if hf.get("n_routed_experts"):  # the first first_k_dense_replace layers keep a dense feed-forward
+        layers = (block,) * min(n_layers, hf.get("first_k_dense_replace") or 0)
+        block = dataclasses.replace(block, ffn=_moe(hf))
     return DecoderLMConfig(
         vocab_size=hf_value(hf, "vocab_size", NAME),
         d_model=hf_value(hf, "hidden_size", NAME),
-        n_heads=n_heads,
-        n_layers=hf_value(hf, "num_hidden_layers", NAME),
-        d_ff=hf_value(hf, "intermediate_size", NAME),
-        activation="swiglu",
-        norm="rms",
-        norm_eps=hf_value(hf, "rms_norm_eps", NAME, 1e-6),
-        bias=False,
-        dropout=0.0,
-        positions="rotary",
-        rope_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         max_positions=hf_value(hf, "max_position_embeddings", NAME),
+        embedding=EmbeddingConfig(positions=RotaryPositionsConfig(base=float(rope.get("rope_theta", hf.get(
+                                  "rope_theta", 10000.0)))), dropout=0.0),  # fmt: skip
+        decoder=StackConfig(n_layers=n_layers, block=block, layers=layers, final_norm=True),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        final_norm=True,
-        attention="mla",
-        kv_lora_rank=hf_value(hf, "kv_lora_rank", NAME),
-        q_lora_rank=hf.get("q_lora_rank"),
-        qk_nope_head_dim=hf_value(hf, "qk_nope_head_dim", NAME),
-        qk_rope_head_dim=hf_value(hf, "qk_rope_head_dim", NAME),
-        v_head_dim=hf_value(hf, "v_head_dim", NAME),
-        **moe,
     )
+
+
+def _latent(hf: dict[str, Any], n_heads: int) -> LatentAttentionConfig:
+    """MLA as config.json sizes it."""
+    return LatentAttentionConfig(n_heads=n_heads, bias=False, dropout=0.0, kv_lora_rank=hf_value(hf, "kv_lora_rank",
+                                 NAME), q_lora_rank=hf.get("q_lora_rank"), qk_nope_head_dim=hf_value(
+                                 hf, "qk_nope_head_dim", NAME), qk_rope_head_dim=hf_value(hf, "qk_rope_head_dim", NAME),
+                                 v_head_dim=hf_value(hf, "v_head_dim", NAME))  # fmt: skip
+
+
+def _moe(hf: dict[str, Any]) -> MoEConfig:
+    """DeepSeek-V3's mixture of experts as config.json sizes it."""
+    return MoEConfig(d_ff=hf_value(hf, "moe_intermediate_size", NAME), activation="swiglu", bias=False, dropout=0.0,
+                     experts=hf["n_routed_experts"], top_k=hf_value(hf, "num_experts_per_tok", NAME),
+                     shared_experts=hf.get("n_shared_experts", 1) or 0, groups=hf.get("n_group") or 1,
+                     topk_groups=hf.get("topk_group") or 1, norm_topk=bool(hf.get("norm_topk_prob", True)),
+                     scale=float(hf.get("routed_scaling_factor", 1.0)))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -113,38 +119,44 @@ def _swiglu(qkv: str, hf: str) -> NameMap:
 
 def name_map(cfg: DecoderLMConfig, rope_interleave: bool = True) -> NameMap:
     """Where each DecoderLM tensor lives in a DeepseekV3ForCausalLM checkpoint."""
-    assert cfg.qk_nope_head_dim and cfg.qk_rope_head_dim and cfg.kv_lora_rank
-    d_r = cfg.qk_rope_head_dim
+    refs = shell_name_map(cfg)
+    for i, block in enumerate(cfg.decoder.blocks()):
+        q, h = f"decoder.layers.{i}", f"model.layers.{i}"
+        refs |= norm(f"{q}.self_residual.norm", f"{h}.input_layernorm", bias=False)
+        refs |= norm(f"{q}.ffn_residual.norm", f"{h}.post_attention_layernorm", bias=False)
+        assert isinstance(block.attention, LatentAttentionConfig)
+        refs |= _latent_refs(block.attention, cfg.d_model, f"{q}.self_attn", f"{h}.self_attn", rope_interleave)
+        if isinstance(block.ffn, MoEConfig):
+            refs[f"{q}.ffn.router.weight"] = Ref(f"{h}.mlp.gate.weight")
+            refs[f"{q}.ffn.score_bias"] = Ref(f"{h}.mlp.gate.e_score_correction_bias")
+            for e in range(block.ffn.experts):
+                refs |= _swiglu(f"{q}.ffn.experts.{e}", f"{h}.mlp.experts.{e}")
+            if block.ffn.shared_experts:
+                refs |= _swiglu(f"{q}.ffn.shared", f"{h}.mlp.shared_experts")
+        else:
+            refs |= _swiglu(f"{q}.ffn", f"{h}.mlp")
+    return refs
+
+
+def _latent_refs(mla: LatentAttentionConfig, d_model: int, a: str, ha: str, rope_interleave: bool) -> NameMap:
+    """MLA's projections, named as DeepSeek names them, with its RoPE rows de-interleaved where it interleaves."""
+    kv_lora_rank, nope, d_r, _ = mla.sizes(d_model)
 
     def rope_rows(hf: str, group: int) -> Ref:
         """A projection with RoPE rows at the end of every `group` rows."""
         return DeinterleavedRef(hf, rope_dim=d_r, group=group) if rope_interleave else Ref(hf)
 
-    refs = shell_name_map(cfg)
-    for i in range(cfg.n_layers):
-        q, h = f"decoder.layers.{i}", f"model.layers.{i}"
-        refs |= norm(f"{q}.self_residual.norm", f"{h}.input_layernorm", bias=False)
-        refs |= norm(f"{q}.ffn_residual.norm", f"{h}.post_attention_layernorm", bias=False)
-        a, ha = f"{q}.self_attn", f"{h}.self_attn"
-        if cfg.q_lora_rank is None:
-            refs[f"{a}.q_proj.weight"] = rope_rows(f"{ha}.q_proj.weight", cfg.qk_nope_head_dim + d_r)
-        else:
-            refs |= linear(f"{a}.q_down", f"{ha}.q_a_proj", bias=False)
-            refs |= norm(f"{a}.q_norm", f"{ha}.q_a_layernorm", bias=False)
-            refs[f"{a}.q_up.weight"] = rope_rows(f"{ha}.q_b_proj.weight", cfg.qk_nope_head_dim + d_r)
-        refs[f"{a}.kv_down.weight"] = rope_rows(f"{ha}.kv_a_proj_with_mqa.weight", cfg.kv_lora_rank + d_r)
-        refs |= norm(f"{a}.kv_norm", f"{ha}.kv_a_layernorm", bias=False)
-        refs |= linear(f"{a}.kv_up", f"{ha}.kv_b_proj", bias=False)
-        refs |= linear(f"{a}.out_proj", f"{ha}.o_proj", bias=False)
-        if cfg.moe_experts and i >= cfg.moe_first_dense:
-            refs[f"{q}.ffn.router.weight"] = Ref(f"{h}.mlp.gate.weight")
-            refs[f"{q}.ffn.score_bias"] = Ref(f"{h}.mlp.gate.e_score_correction_bias")
-            for e in range(cfg.moe_experts):
-                refs |= _swiglu(f"{q}.ffn.experts.{e}", f"{h}.mlp.experts.{e}")
-            if cfg.moe_shared_experts:
-                refs |= _swiglu(f"{q}.ffn.shared", f"{h}.mlp.shared_experts")
-        else:
-            refs |= _swiglu(f"{q}.ffn", f"{h}.mlp")
+    refs: NameMap = {}
+    if mla.q_lora_rank is None:
+        refs[f"{a}.q_proj.weight"] = rope_rows(f"{ha}.q_proj.weight", nope + d_r)
+    else:
+        refs |= linear(f"{a}.q_down", f"{ha}.q_a_proj", bias=False)
+        refs |= norm(f"{a}.q_norm", f"{ha}.q_a_layernorm", bias=False)
+        refs[f"{a}.q_up.weight"] = rope_rows(f"{ha}.q_b_proj.weight", nope + d_r)
+    refs[f"{a}.kv_down.weight"] = rope_rows(f"{ha}.kv_a_proj_with_mqa.weight", kv_lora_rank + d_r)
+    refs |= norm(f"{a}.kv_norm", f"{ha}.kv_a_layernorm", bias=False)
+    refs |= linear(f"{a}.kv_up", f"{ha}.kv_b_proj", bias=False)
+    refs |= linear(f"{a}.out_proj", f"{ha}.o_proj", bias=False)
     return refs
 
 
@@ -169,7 +181,7 @@ def from_hf_deepseek_v3(path: str | Path) -> DecoderLM:
     ckpt = read_checkpoint(path)
     cfg = config_from_hf(ckpt.config, ckpt.tensors)
     # Multi-token-prediction modules are stored as layers ≥ num_hidden_layers; the language model skips them.
-    ckpt.tensors = {n: t for n, t in ckpt.tensors.items() if not _beyond_last_layer(n, cfg.n_layers)}
+    ckpt.tensors = {n: t for n, t in ckpt.tensors.items() if not _beyond_last_layer(n, cfg.decoder.n_layers)}
     model = DecoderLM(cfg)
     load_mapped(model, ckpt, FAMILY, name_map(cfg, rope_interleave=bool(ckpt.config.get("rope_interleave", True))))
     return model.eval()

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from qkv.errors import QkvError
 from qkv.extras import require
-from qkv.interop.hf_io import Checkpoint
+from qkv.interop.checkpoint import Checkpoint
 
 _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER = {
@@ -127,7 +127,7 @@ def _config(reader: Any, names: Collection[str], n_vocab: int) -> dict[str, Any]
 
 def _tokenizer(reader: Any) -> Any:
     """The HF `tokenizers.Tokenizer` described by tokenizer.ggml.*, or None if it is not a byte-level BPE."""
-    from qkv.tokenizers.gpt2 import byte_level_bpe
+    from qkv.tokenizers.byte_level import byte_level_bpe
 
     model, pre = _field(reader, "tokenizer.ggml.model"), _field(reader, "tokenizer.ggml.pre", "default")
     if model != "gpt2" or pre not in ("default", "gpt2", _GPT2_PRE, *_DIGIT_SPLIT_PRE):
@@ -140,10 +140,9 @@ def _tokenizer(reader: Any) -> Any:
     return byte_level_bpe({t: i for i, t in enumerate(tokens)}, merges, specials, split_digits=pre in _DIGIT_SPLIT_PRE)
 
 
-def read_gguf(path: str | Path) -> Checkpoint:
-    """A Llama-architecture GGUF file as an HF-named, HF-layout fp32 checkpoint with its tokenizer."""
+def _open(path: Path) -> Any:
+    """A GGUFReader over a llama-architecture file (it maps the file: nothing is read until asked for)."""
     gguf = _import_gguf()
-    path = Path(path)
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # the reader raises ValueError, struct.error, … on a damaged file
@@ -151,6 +150,26 @@ def read_gguf(path: str | Path) -> Checkpoint:
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise QkvError(f"GGUF architecture {arch!r} is not supported: qkv reads llama-architecture GGUF files")
+    return reader
+
+
+def _config_of(reader: Any, names: Collection[str]) -> dict[str, Any]:
+    """The HF config of an open file whose tensors have these HF names."""
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    return _config(reader, names, len(tokens.data) if tokens is not None else 0)
+
+
+def read_gguf_config(path: str | Path) -> dict[str, Any]:
+    """A GGUF file's HF config alone, read from its metadata without its tensors."""
+    reader = _open(Path(path))
+    return _config_of(reader, [_hf_name(t.name) for t in reader.tensors])
+
+
+def read_gguf(path: str | Path) -> Checkpoint:
+    """A Llama-architecture GGUF file as an HF-named, HF-layout fp32 checkpoint with its tokenizer."""
+    gguf = _import_gguf()
+    path = Path(path)
+    reader = _open(path)
     n_heads = _field(reader, "llama.attention.head_count")
     n_kv_heads = _field(reader, "llama.attention.head_count_kv", n_heads)
     tensors: dict[str, Tensor] = {}
@@ -169,6 +188,4 @@ def read_gguf(path: str | Path) -> Checkpoint:
         elif name.endswith(("k_proj.weight", "k_proj.bias")):
             tensor = _unpermute(tensor, n_kv_heads)
         tensors[name] = tensor
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    config = _config(reader, tensors.keys(), len(tokens.data) if tokens is not None else 0)
-    return Checkpoint(config, tensors, str(path), _tokenizer(reader))
+    return Checkpoint(_config_of(reader, tensors.keys()), tensors, str(path), _tokenizer(reader))

@@ -19,14 +19,13 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
-from qkv.config import DecoderLMConfig
 from qkv.errors import QkvError
 from qkv.extras import require
 from qkv.interop import llama
 from qkv.interop.gguf_reader import _DIGIT_SPLIT_PRE, _GLOBAL, _GPT2_PRE, _LAYER
 from qkv.interop.hf_io import export_mapped
 from qkv.io.files import atomic_path
-from qkv.models import DecoderLM
+from qkv.models import DecoderLM, DecoderLMConfig
 from qkv.tokenizers import ByteBPETokenizer
 
 DTYPES = ("float32", "float16")
@@ -166,16 +165,17 @@ def _add_metadata(writer: Any, cfg: DecoderLMConfig, dtype: str, name: str) -> N
     gguf = require("gguf", "hf", "writing .gguf files")
     writer.add_type("model")  # not an adapter
     writer.add_name(name)
-    writer.add_context_length(cfg.max_positions)
-    writer.add_embedding_length(cfg.d_model)
-    writer.add_block_count(cfg.n_layers)
-    writer.add_feed_forward_length(cfg.d_ff)
-    writer.add_head_count(cfg.n_heads)
-    writer.add_head_count_kv(cfg.n_kv_heads or cfg.n_heads)
-    writer.add_rope_freq_base(cfg.rope_base)
-    writer.add_layer_norm_rms_eps(cfg.norm_eps)
-    writer.add_rope_dimension_count(cfg.d_head)
-    writer.add_vocab_size(cfg.vocab_size)
+    hf = llama.config_to_hf(cfg)  # the same numbers, under llama.cpp's names
+    writer.add_context_length(hf["max_position_embeddings"])
+    writer.add_embedding_length(hf["hidden_size"])
+    writer.add_block_count(hf["num_hidden_layers"])
+    writer.add_feed_forward_length(hf["intermediate_size"])
+    writer.add_head_count(hf["num_attention_heads"])
+    writer.add_head_count_kv(hf["num_key_value_heads"])
+    writer.add_rope_freq_base(hf["rope_theta"])
+    writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    writer.add_rope_dimension_count(hf["head_dim"])
+    writer.add_vocab_size(hf["vocab_size"])
     f16 = dtype == "float16"
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if f16 else gguf.LlamaFileType.ALL_F32)
 
@@ -200,12 +200,12 @@ def _add_tokenizer(writer: Any, tokenizer: ByteBPETokenizer, vocab_size: int, pr
 
 def _tensors(model: DecoderLM, dtype: str) -> Iterator[tuple[str, np.ndarray]]:
     """Each tensor under its HF Llama name, as the array to write (W_q and W_k rows permuted for llama.cpp)."""
-    cfg = model.cfg
-    for hf_name, tensor in export_mapped(model, llama.name_map(cfg)).items():
+    hf = llama.config_to_hf(model.cfg)
+    for hf_name, tensor in export_mapped(model, llama.name_map(model.cfg)).items():
         if ".q_proj." in hf_name:
-            tensor = _permute(tensor, cfg.n_heads)
+            tensor = _permute(tensor, hf["num_attention_heads"])
         elif ".k_proj." in hf_name:
-            tensor = _permute(tensor, cfg.n_kv_heads or cfg.n_heads)
+            tensor = _permute(tensor, hf["num_key_value_heads"])
         array = tensor.detach().cpu().float().numpy()
         # llama.cpp multiplies 1-D tensors (norm weights, biases) in fp32; matrices take the chosen dtype.
         f16 = dtype == "float16" and array.ndim > 1

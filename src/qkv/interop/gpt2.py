@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from qkv.config import DecoderLMConfig
+from qkv.attention import MultiHeadAttentionConfig
+from qkv.blocks import BlockConfig, FeedForwardConfig, StackConfig
 from qkv.interop.hf_io import (
     Family,
     NameMap,
@@ -20,11 +21,16 @@ from qkv.interop.hf_io import (
     activation_from_hf,
     activation_to_hf,
     hf_value,
+    kv_heads,
     linear,
+    mismatches,
     norm,
-    plain_block_problems,
+    plain_stack_problems,
     unsupported,
 )
+from qkv.models import DecoderLMConfig, EmbeddingConfig
+from qkv.norms import NormConfig
+from qkv.positional import LearnedPositionsConfig
 
 NAME = "GPT-2"
 
@@ -37,24 +43,23 @@ def config_from_hf(hf: dict[str, Any], tensor_names: Collection[str]) -> Decoder
         raise unsupported(NAME, "scale_attn_weights", False)
     if hf.get("add_cross_attention"):
         raise unsupported(NAME, "add_cross_attention", True)
-    d_model = hf_value(hf, "n_embd", NAME)
+    d_model, dropout = hf_value(hf, "n_embd", NAME), hf_value(hf, "resid_pdrop", NAME, 0.1)
+    block = BlockConfig(
+        attention=MultiHeadAttentionConfig(n_heads=hf_value(hf, "n_head", NAME),
+                                           dropout=hf_value(hf, "attn_pdrop", NAME, 0.1)),
+        ffn=FeedForwardConfig(d_ff=hf_value(hf, "n_inner", NAME, 4 * d_model), dropout=0.0,  # none on its hidden layer
+                              activation=activation_from_hf(hf_value(hf, "activation_function", NAME, "gelu_new"), NAME)),
+        norm=NormConfig(eps=hf_value(hf, "layer_norm_epsilon", NAME, 1e-5)),
+        norm_placement="pre",
+        dropout=dropout,
+    )  # fmt: skip
     return DecoderLMConfig(
         vocab_size=hf_value(hf, "vocab_size", NAME),
         d_model=d_model,
-        n_heads=hf_value(hf, "n_head", NAME),
-        n_layers=hf_value(hf, "n_layer", NAME),
-        d_ff=hf_value(hf, "n_inner", NAME, 4 * d_model),
         max_positions=hf_value(hf, "n_positions", NAME),
-        positions="learned",
-        norm="layer",
-        norm_placement="pre",
-        norm_eps=hf_value(hf, "layer_norm_epsilon", NAME, 1e-5),
-        activation=activation_from_hf(hf_value(hf, "activation_function", NAME, "gelu_new"), NAME),
-        bias=True,
-        dropout=hf_value(hf, "resid_pdrop", NAME, 0.1),
-        attention_dropout=hf_value(hf, "attn_pdrop", NAME, 0.1),
+        embedding=EmbeddingConfig(dropout=hf_value(hf, "embd_pdrop", NAME, dropout)),
+        decoder=StackConfig(n_layers=hf_value(hf, "n_layer", NAME), block=block, final_norm=True),
         tie_embeddings=hf_value(hf, "tie_word_embeddings", NAME, True),
-        final_norm=True,
     )
 
 
@@ -66,7 +71,7 @@ def name_map(cfg: DecoderLMConfig) -> NameMap:
         **norm("decoder.norm", "transformer.ln_f"),
         "lm_head.weight": Ref("transformer.wte.weight" if cfg.tie_embeddings else "lm_head.weight"),
     }
-    for i in range(cfg.n_layers):
+    for i in range(cfg.decoder.n_layers):
         q, h = f"decoder.layers.{i}", f"transformer.h.{i}"
         refs |= norm(f"{q}.self_residual.norm", f"{h}.ln_1")
         for part, proj in enumerate(("q_proj", "k_proj", "v_proj")):
@@ -80,37 +85,41 @@ def name_map(cfg: DecoderLMConfig) -> NameMap:
 
 def export_problems(cfg: DecoderLMConfig) -> list[str]:
     """What keeps a DecoderLM config from being a GPT-2 (empty: it is one)."""
-    wanted = {"positions": "learned", "norm": "layer", "norm_placement": "pre", "bias": True, "final_norm": True}
-    problems = [f"{k}={getattr(cfg, k)!r} (needs {v!r})" for k, v in wanted.items() if getattr(cfg, k) != v]
-    problems += plain_block_problems(cfg)
-    if cfg.activation == "swiglu":
-        problems.append("activation='swiglu' (needs gelu_tanh, gelu, relu or silu)")
-    if cfg.n_kv_heads not in (None, cfg.n_heads):
-        problems.append(f"n_kv_heads={cfg.n_kv_heads} (GPT-2 has one K/V head per query head)")
-    for flag in ("scale_embeddings", "embedding_norm"):
-        if getattr(cfg, flag):
-            problems.append(f"{flag}=True")
-    if cfg.position_offset:
-        problems.append(f"position_offset={cfg.position_offset} (GPT-2's position table starts at 0)")
+    problems = plain_stack_problems(cfg, "decoder")
+    if problems:
+        return problems
+    block = cfg.decoder.block
+    wanted = {"embedding.positions": LearnedPositionsConfig(), "embedding.scale": False, "embedding.norm": None,
+              "embedding.type_vocab_size": 0, "decoder.block.norm.kind": "layer", "decoder.block.norm.bias": True,
+              "decoder.block.norm_placement": "pre", "decoder.block.attention.bias": True,
+              "decoder.block.ffn.bias": True}  # fmt: skip
+    problems = mismatches(cfg, wanted)
+    if not cfg.decoder.has_final_norm():
+        problems.append("decoder.final_norm=False (needs a final norm)")
+    if block.ffn.activation == "swiglu":
+        problems.append("decoder.block.ffn.activation='swiglu' (needs gelu_tanh, gelu, relu or silu)")
+    if kv_heads(block) != block.attention.n_heads:
+        problems.append(f"decoder.block.attention.n_kv_heads={kv_heads(block)} (GPT-2 has one K/V head per query head)")
     return problems
 
 
 def config_to_hf(cfg: DecoderLMConfig) -> dict[str, Any]:
     """config.json for a GPT2LMHeadModel with the DecoderLM's shape."""
+    block = cfg.decoder.block
     return {
         "model_type": "gpt2",
         "architectures": ["GPT2LMHeadModel"],
         "vocab_size": cfg.vocab_size,
         "n_embd": cfg.d_model,
-        "n_head": cfg.n_heads,
-        "n_layer": cfg.n_layers,
-        "n_inner": cfg.d_ff,
+        "n_head": block.attention.n_heads,
+        "n_layer": cfg.decoder.n_layers,
+        "n_inner": block.ffn.width(cfg.d_model),
         "n_positions": cfg.max_positions,
-        "activation_function": activation_to_hf(cfg.activation),
-        "layer_norm_epsilon": cfg.norm_eps,
-        "resid_pdrop": cfg.dropout,
-        "embd_pdrop": cfg.dropout,
-        "attn_pdrop": cfg.attn_dropout,
+        "activation_function": activation_to_hf(block.ffn.activation),
+        "layer_norm_epsilon": block.norm.eps,
+        "resid_pdrop": block.dropout,
+        "embd_pdrop": cfg.embedding.dropout,
+        "attn_pdrop": block.attention.dropout,
         "tie_word_embeddings": cfg.tie_embeddings,
     }
 

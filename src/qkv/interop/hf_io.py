@@ -11,15 +11,17 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from qkv.config import Activation, DecoderLMConfig
+from qkv.blocks import BlockConfig
+from qkv.blocks.feed_forward import Activation
 from qkv.errors import QkvError
+from qkv.interop.checkpoint import Checkpoint
 from qkv.io.files import (
     PICKLE_SUFFIXES,
     atomic_save_safetensors,
@@ -27,7 +29,7 @@ from qkv.io.files import (
     load_json,
     load_safetensors,
 )
-from qkv.models import QkvConfig
+from qkv.models import ModelConfig, QkvConfig
 from qkv.tokenizers import ByteBPETokenizer
 from qkv.tokenizers.base import CONFIG_FILE as TOKENIZER_CONFIG_FILE
 
@@ -99,16 +101,6 @@ class Family:
     exports: str = "decoder_lm"  # the qkv model type (qkv.models.model_type_of) that config_to_hf takes
 
 
-@dataclass
-class Checkpoint:
-    """A Hugging Face checkpoint in memory: config.json, tensors by HF name, and where it came from."""
-
-    config: dict[str, Any]
-    tensors: dict[str, Tensor]
-    source: str
-    tokenizer: Any = field(default=None, repr=False)  # a `tokenizers.Tokenizer` when the source carries one
-
-
 def hf_value(config: dict[str, Any], key: str, family: str, default: Any = _NO_DEFAULT) -> Any:
     """config[key], or `default`; a QkvError naming the family and key when it is required and absent."""
     if key in config and config[key] is not None:
@@ -145,14 +137,34 @@ def activation_to_hf(name: str) -> str:
     return {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}[name]
 
 
-def plain_block_problems(cfg: DecoderLMConfig) -> list[str]:
-    """What makes a DecoderLM more than multi-head attention + dense FFNs (latent attention, experts)."""
-    problems = [] if cfg.attention == "mha" else [f"attention={cfg.attention!r} (needs 'mha')"]
-    if cfg.moe_experts:
-        problems.append(f"moe_experts={cfg.moe_experts} (needs dense feed-forward layers)")
-    if cfg.d_ff == 0:
-        problems.append("d_ff=0 (attention-only layers; needs a feed-forward in every layer)")
+def value_at(cfg: object, path: str) -> Any:
+    """A config's setting by dotted path (decoder.block.attention.kind)."""
+    for part in path.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def mismatches(cfg: ModelConfig, wanted: dict[str, Any]) -> list[str]:
+    """'path=value (needs wanted)' for each setting that differs from what a family needs."""
+    return [f"{path}={value_at(cfg, path)!r} (needs {want!r})" for path, want in wanted.items()
+            if value_at(cfg, path) != want]  # fmt: skip
+
+
+def plain_stack_problems(cfg: ModelConfig, stack: str) -> list[str]:
+    """What makes a stack more than one block of multi-head attention + a dense FFN (per-layer blocks, latent or
+    sliding-window attention, experts, attention-only layers)."""
+    side = cfg.stack(stack)
+    if side.layers:
+        return [f"{stack}.layers has {len(side.layers)} per-layer blocks (needs one block for every layer)"]
+    problems = mismatches(cfg, {f"{stack}.block.attention.kind": "mha", f"{stack}.block.ffn.kind": "dense"})
+    if side.block.ffn.d_ff == 0:
+        problems.append(f"{stack}.block.ffn.d_ff=0 (attention-only layers; needs a feed-forward in every layer)")
     return problems
+
+
+def kv_heads(block: BlockConfig) -> int:
+    """The key/value heads of a block's multi-head attention."""
+    return getattr(block.attention, "n_kv_heads", None) or block.attention.n_heads
 
 
 # ---------------------------------------------------------------------------------------------

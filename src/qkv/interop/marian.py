@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from qkv.config import TransformerConfig
 from qkv.errors import QkvError
-from qkv.interop.bart import seq2seq_config, seq2seq_name_map
-from qkv.interop.hf_io import Family, NameMap, activation_to_hf, hf_value, unsupported
+from qkv.interop.bart import seq2seq_config, seq2seq_export_problems, seq2seq_name_map, side_to_hf
+from qkv.interop.hf_io import Family, NameMap, hf_value, mismatches, unsupported
 from qkv.io.files import load_json
+from qkv.models import TransformerConfig
+from qkv.positional import SinusoidalPositionsConfig
 
 NAME = "Marian"
 GENERATION_FILE = "generation_config.json"
@@ -48,7 +49,7 @@ def _refuse_variants(hf: dict[str, Any]) -> None:
 def config_from_hf(hf: dict[str, Any], tensor_names: Collection[str]) -> TransformerConfig:
     """TransformerConfig for a MarianMT config.json."""
     _refuse_variants(hf)
-    return seq2seq_config(hf, NAME, positions="sinusoidal", sinusoid_layout="halves",
+    return seq2seq_config(hf, NAME, SinusoidalPositionsConfig(layout="halves"), embedding_norm=False,
                           pad_id=hf_value(hf, "pad_token_id", NAME))  # fmt: skip
 
 
@@ -59,15 +60,9 @@ def name_map(cfg: TransformerConfig) -> NameMap:
 
 def export_problems(cfg: TransformerConfig) -> list[str]:
     """What keeps a Transformer config from being a MarianMT (empty: it is one)."""
-    wanted = {"positions": "sinusoidal", "sinusoid_layout": "halves", "norm": "layer", "norm_placement": "post",
-              "norm_eps": NORM_EPS, "final_norm": False, "bias": True, "embedding_norm": False,
-              "share_embeddings": True, "attention": "mha", "moe_experts": 0}  # fmt: skip
-    problems = [f"{k}={getattr(cfg, k)!r} (needs {v!r})" for k, v in wanted.items() if getattr(cfg, k) != v]
-    if cfg.activation == "swiglu":
-        problems.append("activation='swiglu' (needs silu, relu, gelu or gelu_tanh)")
-    if cfg.n_kv_heads not in (None, cfg.n_heads):
-        problems.append(f"n_kv_heads={cfg.n_kv_heads} (Marian has one K/V head per query head)")
-    return problems
+    problems = seq2seq_export_problems(cfg)
+    return problems + mismatches(cfg, {"embedding.positions": SinusoidalPositionsConfig(layout="halves"),
+                                       "embedding.norm": None})  # fmt: skip
 
 
 def config_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
@@ -78,18 +73,9 @@ def config_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
         "vocab_size": cfg.src_vocab_size,
         "decoder_vocab_size": cfg.tgt_vocab_size,
         "d_model": cfg.d_model,
-        "encoder_layers": cfg.n_encoder_layers,
-        "decoder_layers": cfg.n_decoder_layers,
-        "encoder_attention_heads": cfg.n_heads,
-        "decoder_attention_heads": cfg.n_heads,
-        "encoder_ffn_dim": cfg.d_ff,
-        "decoder_ffn_dim": cfg.d_ff,
+        **side_to_hf(cfg, silu="swish"),
         "max_position_embeddings": cfg.max_positions,
-        "activation_function": "swish" if cfg.activation == "silu" else activation_to_hf(cfg.activation),
-        "dropout": cfg.dropout,
-        "attention_dropout": cfg.attn_dropout,
-        "activation_dropout": cfg.dropout,  # qkv's feed-forward drops its hidden layer with the same p
-        "scale_embedding": cfg.scale_embeddings,
+        "scale_embedding": cfg.embedding.scale,
         "static_position_embeddings": True,
         "normalize_before": False,
         "share_encoder_decoder_embeddings": True,

@@ -13,7 +13,7 @@ from typing import Any
 
 from qkv.errors import QkvError
 from qkv.io.files import atomic_save_safetensors, atomic_write_json, load_json, load_safetensors
-from qkv.io.run_dir import BEST_FILE, CONFIG_FILE, FORMAT, load_weights
+from qkv.io.run_dir import BEST_FILE, CONFIG_FILE, FORMAT, FORMATS, load_weights
 from qkv.models import MODEL_TYPES, QkvModel, build_model, config_from_dict, model_type_of
 from qkv.tokenizers import Tokenizer
 
@@ -43,7 +43,7 @@ def save_qkv(model: QkvModel, directory: str | Path, tokenizer: Tokenizer | None
 def is_qkv_dir(path: str | Path) -> bool:
     """Whether `path` is a directory that save_qkv (or a qkv training run) wrote, not a Hugging Face one."""
     config = Path(path) / CONFIG_FILE
-    return config.is_file() and load_json(config).get("format") in (FORMAT, MODEL_FORMAT)
+    return config.is_file() and load_json(config).get("format") in (*FORMATS, MODEL_FORMAT)
 
 
 def load_qkv(directory: str | Path) -> QkvModel:
@@ -52,7 +52,7 @@ def load_qkv(directory: str | Path) -> QkvModel:
     if not (directory / CONFIG_FILE).is_file():
         raise QkvError(f"{directory} is not a qkv model directory ({CONFIG_FILE} missing)")
     config = load_json(directory / CONFIG_FILE)
-    if config.get("format") not in (FORMAT, MODEL_FORMAT):
+    if config.get("format") not in (*FORMATS, MODEL_FORMAT):
         raise QkvError(f"{directory / CONFIG_FILE} is not a qkv model config (format {config.get('format')!r})")
     model_type = config.get("model_type", "decoder_lm")
     if model_type not in MODEL_TYPES or not isinstance(config.get("model"), dict):

@@ -43,7 +43,7 @@ def logit_attribution(model: nn.Module, ids: Tensor, target: int, contrast: int 
                       position: int = -1) -> Attribution:  # fmt: skip
     """Direct logit attribution of a pre-norm decoder language model's logit for `target` (minus `contrast`'s)."""
     readout = readout_of(model)
-    if not isinstance(model, DecoderLM) or model.cfg.norm_placement != "pre":
+    if not isinstance(model, DecoderLM) or any(b.norm_placement != "pre" for b in model.cfg.blocks()):
         raise QkvError("direct logit attribution needs a pre-norm decoder: a post-norm layer normalises the "
                        "stream after each sublayer, so the final stream is not a sum of their writes")  # fmt: skip
     n = readout.n_layers

@@ -42,8 +42,8 @@ import torch
 from torch import Tensor, nn
 
 from qkv.attention.record import record_attention
-from qkv.blocks.layers import DecoderLayer, EncoderLayer
-from qkv.blocks.lora import LoRALinear
+from qkv.blocks.block import DecoderLayer, EncoderLayer
+from qkv.lora import LoRALinear
 from qkv.errors import QkvError
 
 Patch = Callable[[Tensor], Tensor]

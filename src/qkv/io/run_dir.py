@@ -25,7 +25,8 @@ from torch import Tensor, nn
 from qkv.errors import QkvError
 from qkv.io.files import PICKLE_SUFFIXES, atomic_write_bytes, atomic_write_json, load_json, load_safetensors
 
-FORMAT = "qkv-run/1"
+FORMAT = "qkv-run/2"  # nested model and run configs (qkv-run/1: flat ones, read through qkv.io.config_v1)
+FORMATS = ("qkv-run/1", FORMAT)
 CONFIG_FILE = "config.json"
 BEST_FILE = "model.safetensors"
 LAST_FILE = "last.safetensors"
@@ -90,14 +91,17 @@ def read_run_config(directory: Path) -> dict[str, Any]:
             raise QkvError(f"refusing to load pickle file(s) {names} in {directory}: qkv only reads safetensors")
         raise QkvError(f"{directory} is not a qkv run directory ({CONFIG_FILE} missing)")
     config = load_json(directory / CONFIG_FILE)
-    if config.get("format") != FORMAT or "model" not in config or "training" not in config:
+    if config.get("format") not in FORMATS or "model" not in config or "training" not in config:
         raise QkvError(f"{directory / CONFIG_FILE} is not a qkv run config (format {config.get('format')!r})")
     return migrate_config(config)
 
 
 def migrate_config(config: dict[str, Any]) -> dict[str, Any]:
-    """A config.json of any earlier layout in today's: the task named, renamed settings under their new names."""
+    """A flat config.json (qkv-run/1) of any earlier layout in its last: the task named, renamed settings under their
+    new names (the run configs turn it into today's nested one: qkv.training.config.RunConfig.from_stored)."""
     config = dict(config)
+    if config.get("format") == FORMAT:
+        return config
     model_type = config.setdefault("model_type", "decoder_lm")
     task = config.get("task", _TASK_OF_MODEL_TYPE.get(model_type, model_type))
     training = dict(config["training"])

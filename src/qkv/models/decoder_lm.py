@@ -9,14 +9,42 @@ Trained to predict token t+1 from tokens ≤ t; generates by feeding its own sam
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import ClassVar
 
 from torch import Tensor, nn
 
-from qkv.attention import LayerCache, cache_length
-from qkv.blocks import Decoder
-from qkv.config import DecoderLMConfig
+from qkv.attention import LayerCache, MultiHeadAttentionConfig, cache_length
+from qkv.blocks import BlockConfig, Decoder, FeedForwardConfig, StackConfig
 from qkv.errors import QkvError
-from qkv.models.embedding import Embeddings, init_normal_
+from qkv.models.config import ModelConfig, check_vocab, require_vocab
+from qkv.models.embedding import EmbeddingConfig, Embeddings, init_normal_
+
+# GPT-2's block: pre-norm, GELU, and no dropout by default (a language model on much data needs none).
+GPT_BLOCK = BlockConfig(attention=MultiHeadAttentionConfig(dropout=0.0), ffn=FeedForwardConfig(activation="gelu",
+                        dropout=0.0), norm_placement="pre", dropout=0.0)  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecoderLMConfig(ModelConfig):
+    """A decoder-only language model: embeddings, one stack of causal blocks, a head over the vocabulary."""
+
+    model_type: ClassVar[str] = "decoder_lm"
+    stacks: ClassVar[tuple[str, ...]] = ("decoder",)
+
+    vocab_size: int | None = None  # None until a run's tokenizer gives it
+    embedding: EmbeddingConfig = EmbeddingConfig(dropout=0.0)
+    decoder: StackConfig = StackConfig(block=GPT_BLOCK)
+    tie_embeddings: bool = True  # the output head is the token embedding matrix
+
+    def check(self) -> None:
+        """The model's rules and the vocabulary's."""
+        check_vocab(self, "vocab_size")
+        super().check()
+
+    def build(self) -> DecoderLM:
+        """The DecoderLM, initialised as GPT-2 is."""
+        return DecoderLM(self)
 
 
 class DecoderLM(nn.Module):
@@ -24,17 +52,18 @@ class DecoderLM(nn.Module):
 
     def __init__(self, cfg: DecoderLMConfig) -> None:
         super().__init__()
+        require_vocab(cfg, "vocab_size")
+        assert cfg.vocab_size is not None
         self.cfg = cfg
-        assert cfg.final_norm is not None
-        self.embed = Embeddings(cfg)
-        self.decoder = Decoder(cfg, cfg.n_layers, final_norm=cfg.final_norm, cross_attention=False)
+        self.embed = Embeddings(cfg.embedding, cfg.vocab_size, cfg.d_model, cfg.max_positions, cfg.rotary_dim())
+        self.decoder = Decoder(cfg.decoder, cfg.d_model, cross_attention=False)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        init_normal_(self, std=0.02, residual_std=0.02 / math.sqrt(2 * cfg.n_layers))
+        init_normal_(self, std=0.02, residual_std=0.02 / math.sqrt(2 * cfg.decoder.n_layers))
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.tokens.weight  # one matrix embeds and un-embeds
 
     def new_cache(self, capacity: int = 256) -> list[LayerCache]:
-        """An empty KV cache for incremental decoding (latent-only caches for MLA layers)."""
+        """An empty KV cache for incremental decoding (each layer's own kind: latent for MLA)."""
         return self.decoder.new_cache(capacity)
 
     def forward(self, ids: Tensor, cache: list[LayerCache] | None = None, padding_mask: Tensor | None = None) -> Tensor:

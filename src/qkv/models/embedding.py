@@ -7,43 +7,60 @@ but returned as (cos, sin) for the attention layers to rotate q and k with.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from qkv.blocks.dropout import Dropout
-from qkv.config import EncoderConfig, ModelConfig
+from qkv.config import Config, probability
 from qkv.errors import QkvError
-from qkv.norms import make_norm
-from qkv.positional import LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding, check_length
+from qkv.norms import NormConfig
+from qkv.positional import (
+    LearnedPositionalEmbedding,
+    LearnedPositionsConfig,
+    PositionsConfig,
+    RotaryEmbedding,
+    SinusoidalPositionalEncoding,
+    check_length,
+)
 
 Rope = tuple[Tensor, Tensor] | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmbeddingConfig(Config):
+    """How ids become vectors: token embeddings, positions, and what is done to their sum."""
+
+    positions: PositionsConfig = LearnedPositionsConfig()
+    scale: bool = False  # multiply token embeddings by √d_model, as the paper does
+    norm: NormConfig | None = None  # a norm over the summed embeddings (BERT, BART)
+    type_vocab_size: int = 0  # token-type (segment) embeddings: BERT has 2
+    dropout: float = 0.1  # on the summed embeddings while training
+
+    def check(self) -> None:
+        """A type vocabulary ≥ 0 and a dropout probability."""
+        if self.type_vocab_size < 0:
+            raise QkvError(f"type_vocab_size must be ≥ 0, got {self.type_vocab_size}")
+        probability(self, "dropout")
 
 
 class Embeddings(nn.Module):
     """ids (B, T) → vectors (B, T, d_model) and the rotary (cos, sin) when positions are rotary."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: EmbeddingConfig, vocab_size: int, d_model: int, max_positions: int,
+                 rotary_dim: int) -> None:  # fmt: skip
         super().__init__()
-        self.vocab_size, self.max_positions = cfg.vocab_size, cfg.max_positions
-        self.tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
-        self.positions: LearnedPositionalEmbedding | SinusoidalPositionalEncoding | None = None
-        self.rotary: RotaryEmbedding | None = None
-        self.position_offset = cfg.position_offset
-        if cfg.positions == "learned":
-            # BART's table has `position_offset` extra rows in front that no position uses.
-            self.positions = LearnedPositionalEmbedding(cfg.d_model, cfg.max_positions + cfg.position_offset)
-        elif cfg.positions == "sinusoidal":
-            self.positions = SinusoidalPositionalEncoding(cfg.d_model, cfg.max_positions, cfg.sinusoid_layout)
-        elif cfg.positions == "rotary":
-            self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.max_positions, base=cfg.rope_base)
-        self.token_types: nn.Embedding | None = None
-        self.norm: nn.Module | None = None
-        if isinstance(cfg, EncoderConfig) and cfg.type_vocab_size > 0:  # BERT's segment embeddings
-            self.token_types = nn.Embedding(cfg.type_vocab_size, cfg.d_model)
-        if cfg.embedding_norm:  # BERT and BART normalise the summed embeddings
-            self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, bias=cfg.bias)
+        self.vocab_size, self.max_positions = vocab_size, max_positions
+        self.tokens = nn.Embedding(vocab_size, d_model)
+        self.scale = math.sqrt(d_model) if cfg.scale else 1.0
+        built = cfg.positions.build(d_model, max_positions, rotary_dim)
+        self.positions = built if isinstance(built, (LearnedPositionalEmbedding, SinusoidalPositionalEncoding)) else None
+        self.rotary = built if isinstance(built, RotaryEmbedding) else None
+        learned = isinstance(cfg.positions, LearnedPositionsConfig)
+        self.position_offset = cfg.positions.offset if learned else 0  # rows of BART's table no position uses
+        self.token_types = nn.Embedding(cfg.type_vocab_size, d_model) if cfg.type_vocab_size > 0 else None
+        self.norm = cfg.norm.build(d_model) if cfg.norm is not None else None
         self.dropout = Dropout(cfg.dropout)
 
     def forward(self, ids: Tensor, start: int = 0, token_type_ids: Tensor | None = None,
@@ -59,15 +76,6 @@ class Embeddings(nn.Module):
             check_length(start, t, self.max_positions)
         elif positions.numel():
             check_length(int(positions.max()), 1, self.max_positions)
-        # One reduction, one host sync; the min/max for the message are computed only on failure. Skipped where
-        # the ids come from training data, checked against the vocabulary when it was read: in a compiled graph
-        # (which cannot branch on data) and in a GPU's training step (where the sync would stall every step).
-        trusted = torch.compiler.is_compiling() or (ids.device.type != "cpu" and torch.is_grad_enabled())
-        out_of_range = not trusted and ids.numel()
-        if out_of_range and bool(((ids < 0) | (ids >= self.vocab_size)).any()):
-            raise QkvError(
-                f"token id out of range [0, {self.vocab_size}): got min {int(ids.min())}, max {int(ids.max())}"
-            )
         x = self.tokens(ids) * self.scale  # (B, T, d_model)
         if self.positions is not None and positions is not None:
             x = x + self.positions.at(positions + self.position_offset)  # (B, T, d_model)

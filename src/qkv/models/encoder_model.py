@@ -10,16 +10,48 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.blocks import Encoder
-from qkv.config import EncoderConfig
+from qkv.attention import MultiHeadAttentionConfig
+from qkv.blocks import BlockConfig, Encoder, FeedForwardConfig, StackConfig
 from qkv.errors import QkvError
-from qkv.models.embedding import Embeddings, init_normal_
-from qkv.norms import make_norm
+from qkv.models.config import ModelConfig, check_vocab, require_vocab
+from qkv.models.embedding import EmbeddingConfig, Embeddings, init_normal_
+from qkv.norms import NormConfig
+from qkv.positional import LearnedPositionsConfig
+
+# BERT's block: post-norm, GELU, dropout 0.1.
+BERT_BLOCK = BlockConfig(ffn=FeedForwardConfig(activation="gelu"), attention=MultiHeadAttentionConfig())
+
+
+@dataclass(frozen=True, kw_only=True)
+class EncoderConfig(ModelConfig):
+    """An encoder-only model: embeddings (with token types and a norm, as BERT's), one bidirectional stack, a
+    pooler over the first token and, for masked-language-model pretraining, a head over the vocabulary."""
+
+    model_type: ClassVar[str] = "encoder"
+    stacks: ClassVar[tuple[str, ...]] = ("encoder",)
+
+    vocab_size: int | None = None  # None until a run's tokenizer gives it
+    embedding: EmbeddingConfig = EmbeddingConfig(positions=LearnedPositionsConfig(), norm=NormConfig(),
+                                                 type_vocab_size=2)  # fmt: skip
+    encoder: StackConfig = StackConfig(block=BERT_BLOCK)
+    tie_embeddings: bool = True  # the masked-LM head's output layer is the token embedding matrix
+    pooler: bool = True  # tanh(W · h_[CLS]) as the sequence representation
+    mlm_head: bool = False  # BERT's masked-LM head: transform (dense, activation, norm), then the output layer
+
+    def check(self) -> None:
+        """The model's rules and the vocabulary's."""
+        check_vocab(self, "vocab_size")
+        super().check()
+
+    def build(self) -> EncoderModel:
+        """The EncoderModel, initialised as BERT is."""
+        return EncoderModel(self)
 
 
 @dataclass
@@ -34,12 +66,12 @@ class EncoderOutput:
 class MaskedLMHead(nn.Module):
     """BERT's masked-LM head: logits = W_out · Norm(act(W h + b)) + b_out, W_out tied to the token embeddings."""
 
-    def __init__(self, cfg: EncoderConfig) -> None:
+    def __init__(self, d_model: int, vocab_size: int, block: BlockConfig) -> None:
         super().__init__()
-        self.dense = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
-        self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, bias=cfg.bias)
-        self.output = nn.Linear(cfg.d_model, cfg.vocab_size)  # its bias: a learned prior over the vocabulary
-        self.activation = cfg.activation
+        self.dense = nn.Linear(d_model, d_model, bias=block.ffn.bias)
+        self.norm = block.norm.build(d_model)
+        self.output = nn.Linear(d_model, vocab_size)  # its bias: a learned prior over the vocabulary
+        self.activation = block.ffn.activation
 
     def forward(self, hidden: Tensor) -> Tensor:
         """(B, T, d_model) → (B, T, vocab)."""
@@ -60,13 +92,15 @@ class EncoderModel(nn.Module):
 
     def __init__(self, cfg: EncoderConfig) -> None:
         super().__init__()
+        require_vocab(cfg, "vocab_size")
+        assert cfg.vocab_size is not None
         self.cfg = cfg
-        assert cfg.final_norm is not None
-        self.embed = Embeddings(cfg)
-        self.encoder = Encoder(cfg, cfg.n_layers, final_norm=cfg.final_norm)
+        self.embed = Embeddings(cfg.embedding, cfg.vocab_size, cfg.d_model, cfg.max_positions, cfg.rotary_dim())
+        self.encoder = Encoder(cfg.encoder, cfg.d_model)
         self.pooler = nn.Linear(cfg.d_model, cfg.d_model) if cfg.pooler else None
-        self.mlm_head = MaskedLMHead(cfg) if cfg.mlm_head else None
-        init_normal_(self, std=0.02, residual_std=0.02 / math.sqrt(2 * cfg.n_layers))
+        last = cfg.encoder.blocks()[-1]
+        self.mlm_head = MaskedLMHead(cfg.d_model, cfg.vocab_size, last) if cfg.mlm_head else None
+        init_normal_(self, std=0.02, residual_std=0.02 / math.sqrt(2 * cfg.encoder.n_layers))
         if self.mlm_head is not None and cfg.tie_embeddings:
             self.mlm_head.output.weight = self.embed.tokens.weight
 

@@ -10,7 +10,7 @@ import torch
 
 from qkv.errors import QkvError
 from qkv.io.run_dir import load_run_weights, read_run_config
-from qkv.models import QkvModel, build_model, config_from_dict
+from qkv.models import QkvModel
 from qkv.tokenizers import Tokenizer
 from qkv.training import RunConfig
 
@@ -57,11 +57,11 @@ class LoadedRun:
 
     model: QkvModel
     tokenizer: Tokenizer | None
-    config: RunConfig
+    config: RunConfig[Any]
     directory: Path
     checkpoint: str  # "best" or "last": which weights were loaded
 
-    config_class: ClassVar[type[RunConfig]] = RunConfig
+    config_class: ClassVar[type[RunConfig[Any]]] = RunConfig
 
     @classmethod
     def load(
@@ -73,10 +73,10 @@ class LoadedRun:
     ) -> R:
         """Read a run directory of this task: config.json (unless `stored` has it), the weights, the tokenizer."""
         stored = read_run_config(directory) if stored is None else stored
-        model = build_model(config_from_dict(stored["model_type"], stored["model"]))
+        config = cls.config_class.from_stored(stored)
+        model = config.model.build()
         load_run_weights(model, directory, checkpoint)
         tokenizer = read_tokenizer(directory)
-        config = cls.config_class.from_dict(stored["training"])
         return cls(model.to(device).eval(), tokenizer, config, Path(directory), checkpoint)
 
     @property

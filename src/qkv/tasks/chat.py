@@ -9,6 +9,7 @@ checkpoint, LoRA or full fine-tuning, the loop. The run keeps the template (chat
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -24,9 +25,19 @@ from qkv.chat.template import GIVE_TEMPLATE, TEMPLATE_FILE, read_template_file
 from qkv.errors import QkvError
 from qkv.generation import GREEDY
 from qkv.io.files import file_sha256
-from qkv.tasks.lm import LMRun, LMTask
+from qkv.tasks.base import EvalOptions
+from qkv.tasks.finetune import FinetunedRun, FinetuneTask
+from qkv.tasks.lm import LMConfig
 from qkv.tokenizers import load_tokenizer
 from qkv.training import Evaluation, TrainResult, perplexity
+
+MAX_BLOCK_SIZE = 1024  # conversations' default context, within the checkpoint's: longer conversations are dropped
+
+
+def recipe(cfg: LMConfig) -> LMConfig:
+    """A fine-tuning recipe made a chat one: whole conversations as examples, up to the checkpoint's context (at most
+    MAX_BLOCK_SIZE tokens) unless --block-size says otherwise."""
+    return dataclasses.replace(cfg, block_size=None)
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -54,18 +65,7 @@ def assistant_loss(model: Callable[..., Tensor], val: ChatExamples, batch_size: 
     return float(sums[0] / sums[1])
 
 
-def evaluate_run(run: LMRun, batch_size: int) -> list[str]:
-    """`qkv eval` of a chat run: the validation loss over the held-out conversations' assistant tokens."""
-    cfg, tokenizer = run.config, run.require_tokenizer()
-    source = (run.directory / TEMPLATE_FILE).read_text(encoding="utf-8")
-    assert cfg.data is not None
-    splits = encode_splits(read_conversations(cfg.data), ChatTemplate.of(source, tokenizer), tokenizer, cfg.block_size)
-    loss = assistant_loss(run.model, splits.val, batch_size, run.device)
-    return [f"val loss {loss:.4f}  perplexity {perplexity(loss):.3f}  ({splits.val.trained():,} assistant tokens of "
-            f"{len(splits.val):,} held-out conversations, {run.checkpoint} weights)"]  # fmt: skip
-
-
-class ChatTask(LMTask):
+class ChatTask(FinetuneTask):
     """Next-token prediction on the assistant's turns of conversations."""
 
     dynamic_shapes = True  # each batch is as wide as its longest conversation
@@ -73,17 +73,23 @@ class ChatTask(LMTask):
     def setup(self, run_dir: Path, resume: bool) -> None:
         """Load the checkpoint and its tokenizer, the template, and every conversation, encoded and split."""
         cfg = self.cfg
-        if cfg.init_from is None:
-            raise QkvError("a chat file fine-tunes a pretrained model on conversations; add --init-from CHECKPOINT")
-        assert cfg.data is not None
-        conversations = read_conversations(cfg.data)  # checked before the checkpoint is read: mistakes show at once
-        if not resume or cfg.lora_rank is not None:
-            self.load_base(run_dir, resume)
-        if self.base is not None and "block_size" not in cfg.given:  # the default, within the model's context
-            cfg.block_size = min(cfg.block_size, self.base.model.cfg.max_positions)
+        assert cfg.source is not None
+        conversations = read_conversations(cfg.source)  # checked before the checkpoint is read: mistakes show at once
+        self.load_base(run_dir, resume)
+        self.cfg = cfg = dataclasses.replace(cfg, block_size=self._block_size())
         self.tokenizer = load_tokenizer(run_dir) if resume else self.base.tokenizer  # type: ignore[union-attr]
         self.template = self._template(run_dir if resume else None)
-        self.splits: ChatSplits = encode_splits(conversations, self.template, self.tokenizer, cfg.block_size)
+        self.splits: ChatSplits = encode_splits(conversations, self.template, self.tokenizer, cfg.window)
+
+    def _block_size(self) -> int:
+        """The context conversations get: --block-size, or the checkpoint's (at most MAX_BLOCK_SIZE); never more."""
+        context = self.cfg.model.context_length
+        if self.cfg.block_size is None:
+            return min(MAX_BLOCK_SIZE, context)
+        if self.cfg.block_size > context:
+            raise QkvError(f"--block-size {self.cfg.block_size} is longer than --init-from's context of {context} "
+                           f"tokens; give at most {context}")  # fmt: skip
+        return self.cfg.block_size
 
     def _template(self, run_dir: Path | None) -> ChatTemplate:
         """--chat-template's file, a resumed run's own, or the checkpoint's; a one-line error if there is none."""
@@ -97,7 +103,7 @@ class ChatTask(LMTask):
         else:
             source = template_source(None, self.base.reference.get("metadata") if self.base else None)
         if source is None:
-            raise QkvError(f"--init-from {cfg.init_from} has no chat template to render {cfg.data} with; "
+            raise QkvError(f"--init-from {cfg.init_from} has no chat template to render {cfg.source} with; "
                            f"{GIVE_TEMPLATE}")  # fmt: skip
         return ChatTemplate.of(source, tokenizer)
 
@@ -111,9 +117,9 @@ class ChatTask(LMTask):
 
     def data_summary(self) -> dict[str, Any] | None:
         """The conversation file read, its sha256, and what was kept of it."""
-        assert self.cfg.data is not None
+        assert self.cfg.source is not None
         s = self.splits
-        return {"chat": self.cfg.data, "sha256": file_sha256(Path(self.cfg.data)), "train_conversations": len(s.train),
+        return {"chat": self.cfg.source, "sha256": file_sha256(Path(self.cfg.source)), "train_conversations": len(s.train),
                 "val_conversations": len(s.val), "dropped": s.dropped}  # fmt: skip
 
     def draw(self, generator: torch.Generator, budget: int, parts: int) -> torch.Tensor:
@@ -129,7 +135,8 @@ class ChatTask(LMTask):
         tokens of them, if set)."""
         max_tokens = None if ev.full else self.cfg.eval_tokens
         with ev.autocast():
-            loss = assistant_loss(ev.forward, self.splits.val, self.cfg.batch_size, ev.ctx.device, max_tokens, ev.ctx)
+            loss = assistant_loss(ev.forward, self.splits.val, self.cfg.data.batch_size, ev.ctx.device, max_tokens,
+                                  ev.ctx)  # fmt: skip
         return {"val_loss": loss}
 
     def save(self, run_dir: Path) -> None:
@@ -145,7 +152,7 @@ class ChatTask(LMTask):
         conversation = self.splits.val_conversations[0].messages
         turn = next(i for i, m in enumerate(conversation) if m["role"] == "assistant")
         if self.cfg.sample_tokens > 0 and turn > 0 and conversation[turn - 1]["role"] == "user":
-            run = LMRun.load(result.run_dir)
+            run = self.loaded(result.run_dir)
             session = ChatSession(run.model, run.require_tokenizer(), self.template, GREEDY, self.cfg.sample_tokens,
                                   history=list(conversation[:turn - 1]))  # fmt: skip
             try:
@@ -158,3 +165,19 @@ class ChatTask(LMTask):
                       f"model:     {reply}", "-" * 71]  # fmt: skip
         lines.append(f"more: qkv chat {result.run_dir}  |  qkv eval {result.run_dir}  |  qkv explore {result.run_dir}")
         return "\n".join(lines)
+
+
+class ChatRun(FinetunedRun):
+    """A chat fine-tune: `qkv eval` measures the loss over its held-out conversations' replies."""
+
+    def evaluate(self, options: EvalOptions) -> list[str]:
+        """The validation loss over the held-out conversations' assistant tokens."""
+        options.refuse_beam_options(self.task)
+        cfg, tokenizer = self.config, self.require_tokenizer()
+        source = (self.directory / TEMPLATE_FILE).read_text(encoding="utf-8")
+        assert cfg.source is not None
+        splits = encode_splits(read_conversations(cfg.source), ChatTemplate.of(source, tokenizer), tokenizer,
+                               cfg.window)  # fmt: skip
+        loss = assistant_loss(self.model, splits.val, options.batch_size, self.device)
+        return [f"val loss {loss:.4f}  perplexity {perplexity(loss):.3f}  ({splits.val.trained():,} assistant tokens "
+                f"of {len(splits.val):,} held-out conversations, {self.checkpoint} weights)"]  # fmt: skip

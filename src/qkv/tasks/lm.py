@@ -12,76 +12,49 @@ each token's bytes.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar, Literal, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from qkv.blocks.lora import DEFAULT_TARGETS, add_lora
+from qkv.attention import MultiHeadAttentionConfig
+from qkv.blocks import BlockConfig, FeedForwardConfig, StackConfig
 from qkv.chat import is_chat_file
-from qkv.config import DecoderLMConfig
+from qkv.config import option
 from qkv.data.batches import random_windows, to_device
 from qkv.data.options import TokenizerRecipe
 from qkv.data.tokens import TokenData, TokenSplit
 from qkv.errors import QkvError
-from qkv.finetune import Base, check_reference, load_base, load_lora_run, lora_spec_of
-from qkv.finetune.settings import FINETUNE_DEFAULTS, check_data_tokenizer, finetuned_config
 from qkv.generation import Sampling, stream
-from qkv.io.run_dir import read_run_config
-from qkv.models import DecoderLM, QkvModel
-from qkv.tasks.base import EvalOptions, LoadedRun, read_tokenizer
-from qkv.tasks.text import TextConfig, check_window_fits, data_record, text_data
+from qkv.lora import LoRAConfig
+from qkv.models import DecoderLM, DecoderLMConfig, EmbeddingConfig
+from qkv.norms import NormConfig
+from qkv.positional import RotaryPositionsConfig
+from qkv.tasks.base import EvalOptions, LoadedRun
+from qkv.tasks.text import TextConfig, check_window_fits, data_record, text_data, vocabulary
 from qkv.tokenizers import Tokenizer, load_tokenizer
-from qkv.training import Evaluation, RunConfig, Task, TrainResult, evaluate_loss, evaluate_sums, option, perplexity
-from qkv.training.config import OPTIMIZERS, absolute, dashed
+from qkv.training import Evaluation, RunConfig, Task, TrainResult, evaluate_loss, evaluate_sums, perplexity
+from qkv.training.config import EvalConfig, OptimConfig, ScheduleConfig
 from qkv.training.evaluate import LossSums, eval_rows, token_bytes_of
 
-TOKENIZERS = ("char", "bpe", "gpt2")  # of a text file; a data directory has its own
-CHAT_BLOCK_SIZE = 1024  # conversation data's context: longer conversations are dropped
-
-# The default recipe is a speedrun (benchmarks/SPEEDRUN.md): the fastest way found on a 2-core CPU to the
-# full-validation loss nanoGPT's CPU recipe ends at on the embedded Shakespeare (1.96): nanoGPT's width (128)
-# with a modern block, three layers instead of four and one key/value head (multi-query attention: fewer
-# multiply-adds per token), Muon for the blocks' matrices at a high learning rate, windows of 128 characters
-# in batches of 8 and a cosine schedule as long as the run; periodic evaluations read a sample of the
-# validation split, the last one all of it.
-
-DEFAULT_MODEL: dict[str, Any] = {
-    "n_layers": 3,
-    "d_model": 128,
-    "n_heads": 4,
-    "n_kv_heads": 1,
-    "positions": "rotary",
-    "norm": "rms",
-    "activation": "swiglu",
-    "bias": False,
-    "dropout": 0.0,
-}
+TokenizerName = Literal["char", "bpe", "gpt2"]  # of a text file; a data directory has its own
 
 
-@dataclass(kw_only=True)
-class LMConfig(TextConfig):
-    """How to train a language model: the shared settings plus its text, tokenizer, context and sample."""
+@dataclass(frozen=True, kw_only=True)
+class LMConfig(TextConfig[DecoderLMConfig]):
+    """How to train a language model: the shared settings plus its text, tokenizer, context and sample, and what a
+    fine-tuning run starts from (qkv.tasks.finetune, qkv.tasks.chat)."""
 
     task: ClassVar[str] = "lm"
-    model_config: ClassVar[type[DecoderLMConfig]] = DecoderLMConfig
-    default_model: ClassVar[dict[str, Any]] = DEFAULT_MODEL
-    newton_schulz_steps: ClassVar[int] = 4  # as good as 5 here, and 6 % faster a step (benchmarks/SPEEDRUN.md)
+    model_class: ClassVar[type[DecoderLMConfig]] = DecoderLMConfig
+    paths: ClassVar[tuple[str, ...]] = ("source", "init_from", "chat_template")
 
-    model: dict[str, Any] = option(factory=dict, help="DecoderLMConfig fields over the recipe's", fixed=True)
-    tokenizer: str | None = option(None, "a text file's: char, bpe (a byte-level BPE learnt from its training split) "
-                                   "or gpt2; none: char (a data directory has its own)", fixed=True,
-                                   choices=TOKENIZERS)  # fmt: skip
-    vocab_size: int = option(1024, "the BPE vocabulary's size (bpe only)", fixed=True)
-    block_size: int = option(128, "context length in tokens", fixed=True)
-    max_steps: int = option(350, "optimiser steps (the schedule's length)")
-    lr: float = option(1e-2, "peak learning rate")
-    optimizer: str = option("muon", "adamw, or muon: Muon for the blocks' matrices, AdamW for the rest", fixed=True,
-                            choices=OPTIMIZERS)  # fmt: skip
-    eval_interval: int = option(100, "steps between evaluations and checkpoints")
+    tokenizer: TokenizerName | None = option(None, "a text file's: char, bpe (a byte-level BPE learnt from its "
+                                             "training split) or gpt2; none: char (a data directory has its own)",
+                                             fixed=True)  # fmt: skip
     eval_tokens: int | None = option(8192, "validation tokens read by periodic evaluations, spread over the split "
                                      "(none: all)")  # fmt: skip
     final_eval_tokens: int | None = option(None, "validation tokens read by the last evaluation and `qkv eval` "
@@ -90,65 +63,50 @@ class LMConfig(TextConfig):
     init_from: str | None = option(None, "fine-tune this checkpoint: a .gguf file, a Hugging Face directory, a `qkv "
                                    "convert` directory or a qkv run; its architecture and tokenizer are the run's",
                                    fixed=True)  # fmt: skip
-    lora_rank: int | None = option(None, "LoRA: train rank-R adapters beside the frozen weights of --init-from "
-                                   "(none: train every weight)", fixed=True)  # fmt: skip
-    lora_alpha: float | None = option(None, "LoRA's α: the update is scaled by α / rank (none: 2 × rank)", fixed=True)
-    lora_dropout: float = option(0.0, "LoRA: dropout on the adapters' input", fixed=True)
+    lora: LoRAConfig | None = option(None, "LoRA adapters beside the frozen weights of --init-from (none: every "
+                                     "weight trains)", fixed=True, prefix="lora")  # fmt: skip
     chat_template: str | None = option(None, "a Jinja chat template file for conversation data (--data chat.jsonl) "
                                        "on a checkpoint without one", fixed=True)  # fmt: skip
-    lora_targets: str = option(",".join(DEFAULT_TARGETS), "LoRA: the Linear layers adapted, comma-separated (a "
-                               "plain name matches a module name's last part, a regex the whole name)",
-                               fixed=True)  # fmt: skip
 
-    def recipe(self) -> dict[str, Any]:
-        """The speedrun's model for a new model; nothing for a fine-tuning run (its checkpoint's model)."""
-        return {} if self.init_from is not None else super().recipe()
-
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         """The shared checks, then the language model's own."""
-        if self.init_from is not None:  # fine-tuning's defaults for the settings not given, never the speedrun's
-            for name, value in FINETUNE_DEFAULTS[self.lora_rank is not None].items():
-                if name not in self.given:
-                    setattr(self, name, value)
-            self.init_from = absolute(self.init_from)
-            if is_chat_file(self.data) and "block_size" not in self.given:
-                self.block_size = CHAT_BLOCK_SIZE  # whole conversations, not windows: the longest that fit
-        self.chat_template = absolute(self.chat_template)
-        if self.chat_template is not None and not is_chat_file(self.data):
-            raise QkvError("--chat-template renders conversations: give --data a JSON Lines file of "
-                           '{"messages": [{"role": …, "content": …}, …]}')  # fmt: skip
-        if self.lora_rank is not None and self.lora_alpha is None:
-            self.lora_alpha = 2.0 * self.lora_rank
-        super().__post_init__()
-        self._check_finetuning()
+        super().check()
         for name in ("eval_tokens", "final_eval_tokens"):
             value = getattr(self, name)
             if value is not None and value < 2:
                 raise QkvError(f"{name.replace('_', '-')} must be ≥ 2, got {value}")
         if self.sample_tokens < 0:
             raise QkvError(f"sample-tokens must be ≥ 0, got {self.sample_tokens}")
-
-    def _check_finetuning(self) -> None:
-        """--init-from fixes the architecture and the tokenizer; the LoRA settings need it and a valid spec."""
-        unset = {"lora_rank": None, "lora_alpha": None, "lora_dropout": 0.0, "lora_targets": ",".join(DEFAULT_TARGETS)}
-        lora = sorted(n for n, value in unset.items() if getattr(self, n) != value)  # (a stored config gives them all)
-        if self.lora_rank is not None:
-            lora_spec_of(self.to_dict())  # refuses a rank below 1, a bad dropout, alpha or regex, no targets
-            if self.strategy == "fsdp":
-                raise QkvError("LoRA trains on one process or with --strategy ddp (its frozen base is not sharded); "
-                               "drop --strategy fsdp")  # fmt: skip
-        if self.init_from is None:  # (on --resume the stored run's settings come later, and are checked then)
-            if not self.resume and (self.lora_rank is not None or lora):
-                raise QkvError("--lora-rank and the other LoRA settings adapt a pretrained model; add --init-from "
-                               "CHECKPOINT")  # fmt: skip
-            return
-        defaults = {"tokenizer": None, "vocab_size": 1024}  # a stored run's config holds these, unset
-        contradicting = sorted(n for n, unset in defaults.items() if getattr(self, n) != unset)
-        if contradicting:
-            flags = " and ".join(f"--{dashed(n)}" for n in contradicting)
+        if self.lora is not None and self.system.strategy == "fsdp":
+            raise QkvError("LoRA trains on one process or with --strategy ddp (its frozen base is not sharded); drop "
+                           "--strategy fsdp")  # fmt: skip
+        if self.init_from is None and self.lora is not None:
+            raise QkvError("--lora-rank and the other LoRA settings adapt a pretrained model; add --init-from "
+                           "CHECKPOINT")  # fmt: skip
+        if self.init_from is not None and (self.tokenizer is not None or self.vocab_size != 1024):
+            flags = " and ".join(f for f, off in (("--tokenizer", self.tokenizer is None),
+                                                  ("--vocab-size", self.vocab_size == 1024)) if not off)  # fmt: skip
             raise QkvError(f"{flags} contradict(s) --init-from: the tokenizer is the checkpoint's; drop {flags}")
-        if self.lora_rank is None and lora:
-            raise QkvError(f"--{dashed(lora[0])} needs --lora-rank R (without it every weight trains)")
+
+
+def recipe() -> LMConfig:
+    """The default recipe, a speedrun (benchmarks/SPEEDRUN.md): the fastest way found on a 2-core CPU to the
+    full-validation loss nanoGPT's CPU recipe ends at on the embedded Shakespeare (1.96).
+
+    nanoGPT's width (128) with a modern block: three layers instead of four, one key/value head (multi-query
+    attention: fewer multiply-adds per token), Muon for the blocks' matrices at a high learning rate, windows of
+    128 characters in batches of 8 and a cosine schedule as long as the run; periodic evaluations read a sample of
+    the validation split, the last one all of it.
+    """
+    block = BlockConfig(attention=MultiHeadAttentionConfig(n_heads=4, n_kv_heads=1, bias=False, dropout=0.0),
+                        ffn=FeedForwardConfig(activation="swiglu", bias=False, dropout=0.0),
+                        norm=NormConfig(kind="rms", bias=False), norm_placement="pre", dropout=0.0)  # fmt: skip
+    model = DecoderLMConfig(d_model=128, max_positions=None,  # None: the block size
+                            embedding=EmbeddingConfig(positions=RotaryPositionsConfig(), dropout=0.0),
+                            decoder=StackConfig(n_layers=3, block=block))  # fmt: skip
+    # Four Newton–Schulz iterations do as well as five here, and a step is faster (benchmarks/SPEEDRUN.md).
+    return LMConfig(model=model, optim=OptimConfig(name="muon", lr=1e-2, newton_schulz_steps=4),
+                    schedule=ScheduleConfig(max_steps=350), eval=EvalConfig(interval=100))
 
 
 @dataclass
@@ -182,96 +140,58 @@ class NextToken:
 
 
 class LMTask(NextToken, Task):
-    """Next-token prediction with a DecoderLM."""
+    """Next-token prediction with a new DecoderLM on text (qkv.tasks.finetune starts from a checkpoint instead)."""
 
     name = "lm"
 
-    def __init__(self, cfg: LMConfig, stored_model: dict[str, Any] | None = None) -> None:
-        super().__init__(cfg, stored_model)
+    def __init__(self, cfg: LMConfig) -> None:
+        super().__init__(cfg)
         self.cfg: LMConfig = cfg
         self.data: TokenData | None = None
         self.train: TokenSplit | None = None
-        self.base: Base | None = None  # the checkpoint a fine-tuning run starts from
-        self.stored_base: dict[str, Any] | None = None  # a resumed run's record of it
         self.token_bytes: Tensor | None = None  # each token's UTF-8 bytes, for bits per byte (None: not known)
 
     @classmethod
-    def run_name(cls, cfg: RunConfig) -> str:
+    def run_name(cls, cfg: RunConfig[Any]) -> str:
         """<data file or directory name, or shakespeare>-<tokenizer>."""
         assert isinstance(cfg, LMConfig)
-        if cfg.init_from is not None:  # e.g. shakespeare-SmolLM2-135M-Instruct.Q4_1-lora
-            return f"{cfg.text_name()}-{Path(cfg.init_from).stem}{'-lora' if cfg.lora_rank is not None else ''}"
         return f"{cfg.text_name()}-{'data' if cfg.data_dir else cfg.tokenizer or 'char'}"
 
     def setup(self, run_dir: Path, resume: bool) -> None:
-        """Open the data (a text file is prepared with the run's own tokenizer on resume); check a window fits.
-
-        A fine-tuning run loads its checkpoint first (on resume too, for a LoRA run: only its adapters were saved),
-        whose tokenizer the data must have been prepared with.
-        """
+        """Open the data (a text file is prepared with the run's own tokenizer on resume); check a window fits."""
         cfg = self.cfg
-        if cfg.init_from is not None and (not resume or cfg.lora_rank is not None):
-            self.load_base(run_dir, resume)
-        elif resume:
-            self.stored_base = read_run_config(run_dir).get("base")
+        if cfg.data_dir and not resume and (cfg.tokenizer is not None or cfg.vocab_size != 1024):
+            flags = " and ".join(f for f, unset in (("--tokenizer", cfg.tokenizer is None),
+                                                    ("--vocab-size", cfg.vocab_size == 1024)) if not unset)  # fmt: skip
+            raise QkvError(f"{cfg.source} is a data directory: its tokenizer is the one it was prepared with; drop "
+                           f"{flags}")  # fmt: skip
         stored = load_tokenizer(run_dir) if resume else None
-        new = self.base.tokenizer if self.base is not None else new_tokenizer(cfg)
-        name = Path(cfg.init_from).name if cfg.init_from is not None else cfg.tokenizer or "char"
-        if cfg.init_from is not None and self.base is not None and not resume and cfg.data_dir:
-            check_data_tokenizer(str(cfg.data), self.base.tokenizer, cfg.init_from)
-        self.data = text_data(cfg, run_dir if resume else None, stored, new, name)
+        self.open_data(run_dir if resume else None, stored, new_tokenizer(cfg), cfg.tokenizer or "char")
+
+    def open_data(self, run_dir: Path | None, stored: Tokenizer | None, new: Tokenizer | TokenizerRecipe,
+                  name: str) -> None:  # fmt: skip
+        """The run's data, its tokenizer and the training split; refuses a window longer than any shard."""
+        if is_chat_file(self.cfg.source):
+            raise QkvError("a chat file fine-tunes a pretrained model on conversations; add --init-from CHECKPOINT")
+        if self.cfg.chat_template is not None:
+            raise QkvError("--chat-template renders conversations: give --data a JSON Lines file of "
+                           '{"messages": [{"role": …, "content": …}, …]}')  # fmt: skip
+        self.data = text_data(self.cfg, run_dir, stored, new, name)
         self.tokenizer = self.data.tokenizer
         self.token_bytes = token_bytes_of(self.tokenizer)
         self.train = self.data.split("train")
-        check_window_fits(self.cfg.block_size, self.train)
+        check_window_fits(self.cfg.window, self.train)
 
-    def load_base(self, run_dir: Path, resume: bool) -> None:
-        """The checkpoint --init-from names; on resume, the very weights the run was trained on (hash-checked)."""
-        assert self.cfg.init_from is not None
-        reference = self.stored_base = read_run_config(run_dir).get("base") if resume else None
-        if reference is not None:
-            check_reference(reference, run_dir)
-        self.base = load_base(self.cfg.init_from, reference)
-
-    @classmethod
-    def for_config(cls, cfg: RunConfig) -> type[Task]:
-        """ChatTask for a JSON Lines file of conversations; this task for text."""
-        from qkv.tasks.chat import ChatTask
-
-        assert isinstance(cfg, LMConfig)
-        return ChatTask if is_chat_file(cfg.data) else cls
-
-    def new_model_config(self) -> DecoderLMConfig:
-        """A DecoderLM over the tokenizer's vocabulary with a context of block_size tokens (a fine-tuning run: its
-        checkpoint's, with only dropout changeable)."""
+    def model_config(self) -> DecoderLMConfig:
+        """The run's model over the tokenizer's vocabulary, with a context of block_size tokens unless it has one."""
         assert self.tokenizer is not None
-        if self.base is not None:
-            model_cfg = finetuned_config(self.base.model.cfg, self.cfg.model)
-        else:
-            model_cfg = self.cfg.build_model_config(vocab_size=self.tokenizer.vocab_size,
-                                                    max_positions=self.cfg.block_size)  # fmt: skip
-        assert isinstance(model_cfg, DecoderLMConfig)
-        if model_cfg.max_positions < self.cfg.block_size:
-            raise QkvError(f"model max_positions={model_cfg.max_positions} is smaller than the block size "
-                           f"{self.cfg.block_size}; drop --model max_positions or lower --block-size")  # fmt: skip
-        return model_cfg
-
-    def build_model(self) -> QkvModel:
-        """A new model; a fine-tuning run's checkpoint (with LoRA adapters beside its frozen weights, if asked)."""
-        if self.base is None:
-            return super().build_model()
-        cfg, model = self.model_config(), self.base.model
-        if cfg != model.cfg:
-            model = DecoderLM(cfg)  # type: ignore[arg-type]
-            model.load_state_dict(self.base.model.state_dict())
-        spec = lora_spec_of(self.cfg.to_dict())
-        if spec is not None:
-            add_lora(model, spec)
-        return model.train()
-
-    def base_summary(self) -> dict[str, Any] | None:
-        """The checkpoint a fine-tuning run started from: path, sha256 of its weights, kind, metadata."""
-        return self.base.reference if self.base is not None else self.stored_base
+        model = self.cfg.model
+        vocab = vocabulary(model.vocab_size, self.tokenizer)
+        cfg = replace(model, vocab_size=vocab, max_positions=model.max_positions or self.cfg.window)
+        if cfg.context_length < self.cfg.window:
+            raise QkvError(f"--block-size {self.cfg.window} is longer than the model's context of {cfg.context_length} "
+                           "tokens (--model max_positions); lower --block-size or raise max_positions")  # fmt: skip
+        return cfg
 
     def describe(self) -> str:
         """Token counts and the vocabulary."""
@@ -286,12 +206,12 @@ class LMTask(NextToken, Task):
     def draw(self, generator: torch.Generator, budget: int, parts: int) -> Tensor:
         """`budget` random windows of the training split (numbered across its shards)."""
         assert self.train is not None
-        return random_windows(self.train.window_count(self.cfg.block_size), budget, generator)
+        return random_windows(self.train.window_count(self.cfg.window), budget, generator)
 
     def collate(self, examples: Sequence[Any], device: torch.device) -> LMBatch:
         """The windows drawn."""
         assert self.train is not None and isinstance(examples, Tensor)
-        x, y = self.train.windows(examples, self.cfg.block_size)
+        x, y = self.train.windows(examples, self.cfg.window)
         return LMBatch(to_device(x, device), to_device(y, device))
 
     def evaluate(self, ev: Evaluation) -> dict[str, float]:
@@ -299,9 +219,9 @@ class LMTask(NextToken, Task):
         per byte where the tokenizer says each token's bytes."""
         assert self.data is not None
         cfg, max_tokens = self.cfg, self.cfg.final_eval_tokens if ev.full else self.cfg.eval_tokens
-        rows = eval_rows(cfg.batch_size, cfg.block_size, self.data.tokenizer.vocab_size)
+        rows = eval_rows(cfg.data.batch_size, cfg.window, self.data.tokenizer.vocab_size)
         with ev.autocast():
-            sums = evaluate_sums(ev.forward, self.data.split("val"), cfg.block_size, rows, ev.ctx.device, max_tokens,
+            sums = evaluate_sums(ev.forward, self.data.split("val"), cfg.window, rows, ev.ctx.device, max_tokens,
                                  ev.ctx, self.token_bytes)  # fmt: skip
         return {"val_loss": sums.mean, **_bpb(sums)}
 
@@ -317,20 +237,26 @@ class LMTask(NextToken, Task):
         lines = [f"\nvalidation loss {loss:.4f} (perplexity {perplexity(loss):.2f}{also}) after {result.step} steps, "
                  f"{result.elapsed_s:.0f} s — run saved in {result.run_dir}"]  # fmt: skip
         if self.cfg.sample_tokens > 0:
-            run = LMRun.load(result.run_dir)
-            tokenizer = run.require_tokenizer()
-            # A new line for characters; a BPE's end-of-text token, after which a document begins; a pretrained
-            # model fine-tuned on the embedded Shakespeare, a speaker's name (its end-of-text token ends a chat turn).
-            eos = tokenizer.eos_id
-            prompt = "\n" if eos is None and "\n" in getattr(tokenizer, "chars", "\n") else tokenizer.decode([eos or 0])
-            shown = "ROMEO:" if self.cfg.init_from is not None and self.cfg.data is None else ""
-            sample = run.generate(shown or prompt, self.cfg.sample_tokens, temperature=0.8, seed=self.cfg.seed)
-            lines += ["\n--- sample " + "-" * 60, shown + sample, "-" * 71]
-        run_dir = result.run_dir
-        prompt = "ROMEO:" if self.cfg.data is None else "The"
-        lines.append(f"more: qkv generate {run_dir} --prompt '{prompt}'  |  qkv eval {run_dir}  |  "
-                     f"qkv explore {run_dir}")  # fmt: skip
+            lines += self.sample(result.run_dir)
+        prompt = "ROMEO:" if self.cfg.source is None else "The"
+        lines.append(f"more: qkv generate {result.run_dir} --prompt '{prompt}'  |  qkv eval {result.run_dir}  |  "
+                     f"qkv explore {result.run_dir}")  # fmt: skip
         return "\n".join(lines)
+
+    def loaded(self, run_dir: Path) -> LMRun:
+        """The run this task trained, loaded back (its best weights)."""
+        return LMRun.load(run_dir)
+
+    def sample(self, run_dir: Path) -> list[str]:
+        """A sample of the best weights, framed: from a new line for characters, else after a BPE's end-of-text token
+        (a document begins); a pretrained model fine-tuned on the embedded Shakespeare, from a speaker's name."""
+        run = self.loaded(run_dir)
+        tokenizer = run.require_tokenizer()
+        eos = tokenizer.eos_id
+        prompt = "\n" if eos is None and "\n" in getattr(tokenizer, "chars", "\n") else tokenizer.decode([eos or 0])
+        shown = "ROMEO:" if self.cfg.init_from is not None and self.cfg.source is None else ""
+        sample = run.generate(shown or prompt, self.cfg.sample_tokens, temperature=0.8, seed=self.cfg.system.seed)
+        return ["\n--- sample " + "-" * 60, shown + sample, "-" * 71]
 
 
 @dataclass
@@ -339,19 +265,7 @@ class LMRun(LoadedRun):
 
     model: DecoderLM
     config: LMConfig
-    config_class: ClassVar[type[RunConfig]] = LMConfig
-
-    @classmethod
-    def load(cls, directory: Path, checkpoint: str = "best", device: str | torch.device = "cpu",
-             stored: dict[str, Any] | None = None) -> LMRun:  # fmt: skip
-        """A run directory's model; a LoRA run's base (hash-checked) with its adapters, merged."""
-        stored = read_run_config(directory) if stored is None else stored
-        if lora_spec_of(stored["training"]) is None:
-            return super().load(directory, checkpoint, device, stored)
-        model = load_lora_run(directory, stored, checkpoint)
-        config = LMConfig.from_dict(stored["training"])
-        assert isinstance(config, LMConfig)
-        return cls(model.to(device), read_tokenizer(Path(directory)), config, Path(directory), checkpoint)
+    config_class: ClassVar[type[RunConfig[Any]]] = LMConfig
 
     def generate(self, prompt: str, max_new_tokens: int = 200, **sampling: Any) -> str:
         """The prompt's continuation as text; sampling: Sampling's fields (temperature 0.8 unless given)."""
@@ -374,26 +288,22 @@ class LMRun(LoadedRun):
         """Loss, perplexity and bits per byte (where the tokenizer says its tokens' bytes) over the validation split
         (final_eval_tokens of it, if set), in windows of the training block size: training's last evaluation."""
         options.refuse_beam_options(self.task)
-        if is_chat_file(self.config.data):  # a chat run: the loss over its held-out conversations' replies
-            from qkv.tasks.chat import evaluate_run
-
-            return evaluate_run(self, options.batch_size)
         cfg, val = self.config, self.validation_data()
-        rows = eval_rows(options.batch_size, cfg.block_size, self.model.cfg.vocab_size)
-        sums = evaluate_sums(self.model, val, cfg.block_size, rows, self.device, cfg.final_eval_tokens,
+        rows = eval_rows(options.batch_size, cfg.window, self.model.cfg.vocab_size or 0)
+        sums = evaluate_sums(self.model, val, cfg.window, rows, self.device, cfg.final_eval_tokens,
                              token_bytes=token_bytes_of(self.require_tokenizer()))  # fmt: skip
         loss, bpb = sums.mean, _bpb(sums).get("val_bpb")
         also = "" if bpb is None else f"  bits per byte {bpb:.3f}"
         read = len(val) if cfg.final_eval_tokens is None else min(len(val), cfg.final_eval_tokens)
         return [f"val loss {loss:.4f}  perplexity {perplexity(loss):.3f}{also}  ({read - 1:,} positions, "
-                f"block size {cfg.block_size}, {self.checkpoint} weights)"]  # fmt: skip
+                f"block size {cfg.window}, {self.checkpoint} weights)"]  # fmt: skip
 
     def val_loss(self, batch_size: int = 32, val: TokenSplit | None = None) -> float:
         """The validation loss training's last evaluation measures: final_eval_tokens of the split, or all of it."""
         cfg = self.config
         val = self.validation_data() if val is None else val
-        rows = eval_rows(batch_size, cfg.block_size, self.model.cfg.vocab_size)
-        return evaluate_loss(self.model, val, cfg.block_size, rows, self.device, cfg.final_eval_tokens)
+        rows = eval_rows(batch_size, cfg.window, self.model.cfg.vocab_size or 0)
+        return evaluate_loss(self.model, val, cfg.window, rows, self.device, cfg.final_eval_tokens)
 
 
 def _bpb(sums: LossSums) -> dict[str, float]:

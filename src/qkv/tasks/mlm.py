@@ -13,7 +13,7 @@ The evaluation masks the validation windows with a fixed seed, so every evaluati
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, cast
 
@@ -21,62 +21,58 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from qkv.config import EncoderConfig
+from qkv.attention import MultiHeadAttentionConfig
+from qkv.blocks import BlockConfig, FeedForwardConfig, StackConfig
+from qkv.config import option
 from qkv.data.batches import random_windows
 from qkv.data.options import TokenizerRecipe
 from qkv.data.tokens import TokenData, TokenSplit
 from qkv.errors import QkvError
-from qkv.models import EncoderModel
+from qkv.models import EmbeddingConfig, EncoderConfig, EncoderModel
+from qkv.norms import NormConfig
+from qkv.positional import RotaryPositionsConfig
 from qkv.tasks.base import EvalOptions, LoadedRun
-from qkv.tasks.text import TextConfig, check_window_fits, data_record, text_data
+from qkv.tasks.text import TextConfig, check_window_fits, data_record, text_data, vocabulary
 from qkv.tokenizers import ENDOFTEXT, Tokenizer, load_tokenizer
-from qkv.training import Evaluation, RunConfig, Task, TrainResult, option
+from qkv.training import Evaluation, RunConfig, Task, TrainResult
+from qkv.training.config import DataConfig, EvalConfig, ScheduleConfig
 
 MASK = "<mask>"
 SPECIAL_TOKENS = (ENDOFTEXT, MASK)  # ids 0 and 1; random replacements are drawn from the other ids
-# The language model's modern block, as an encoder with BERT's masked-LM head.
-DEFAULT_MODEL: dict[str, Any] = {
-    "n_layers": 4,
-    "d_model": 128,
-    "n_heads": 4,
-    "positions": "rotary",
-    "norm": "rms",
-    "norm_placement": "pre",
-    "activation": "swiglu",
-    "bias": False,
-    "dropout": 0.0,
-    "type_vocab_size": 0,
-    "embedding_norm": False,
-    "pooler": False,
-    "mlm_head": True,
-}
 
 
-@dataclass(kw_only=True)
-class MLMConfig(TextConfig):
+@dataclass(frozen=True, kw_only=True)
+class MLMConfig(TextConfig[EncoderConfig]):
     """How to pretrain a masked language model: the shared settings plus its text, vocabulary and masking."""
 
     task: ClassVar[str] = "mlm"
-    model_config: ClassVar[type[EncoderConfig]] = EncoderConfig
-    default_model: ClassVar[dict[str, Any]] = DEFAULT_MODEL
+    model_class: ClassVar[type[EncoderConfig]] = EncoderConfig
+    paths: ClassVar[tuple[str, ...]] = ("source",)
 
-    model: dict[str, Any] = option(factory=dict, help="EncoderConfig fields over the recipe's", fixed=True)
-    vocab_size: int = option(384, "the byte-level BPE vocabulary's size", fixed=True)
-    batch_size: int = option(32, "windows per micro-batch and process", fixed=True)
     mask_prob: float = option(0.15, "share of positions selected for prediction (BERT's 15 %)", fixed=True)
-    max_steps: int = option(600, "optimiser steps (the schedule's length)")
-    max_time: float | None = option(270.0, "stop after this many seconds, evaluations included (none: no limit)")
-    eval_interval: int = option(300, "steps between evaluations and checkpoints")
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         """The shared checks, then the masking's."""
-        super().__post_init__()
+        super().check()
         if not 0 < self.mask_prob < 1:
             raise QkvError(f"mask-prob must be in (0, 1), got {self.mask_prob}")
 
     def n_selected(self, length: int) -> int:
         """How many positions of a window of `length` tokens are predicted (BERT: round(p · T), at least 1)."""
         return max(1, round(self.mask_prob * length))
+
+
+def recipe() -> MLMConfig:
+    """The language model's modern block as an encoder with BERT's masked-LM head: 4 layers × 128 wide, rotary
+    positions, pre-norm RMSNorm, SwiGLU, no biases or dropout, and no token types, embedding norm or pooler."""
+    block = BlockConfig(attention=MultiHeadAttentionConfig(n_heads=4, bias=False, dropout=0.0),
+                        ffn=FeedForwardConfig(activation="swiglu", bias=False, dropout=0.0),
+                        norm=NormConfig(kind="rms", bias=False), norm_placement="pre", dropout=0.0)  # fmt: skip
+    model = EncoderConfig(d_model=128, max_positions=None,  # None: the block size
+                          embedding=EmbeddingConfig(positions=RotaryPositionsConfig(), dropout=0.0),
+                          encoder=StackConfig(n_layers=4, block=block), pooler=False, mlm_head=True)  # fmt: skip
+    return MLMConfig(model=model, vocab_size=384, data=DataConfig(batch_size=32),
+                     schedule=ScheduleConfig(max_steps=600, max_time=270.0), eval=EvalConfig(interval=300))
 
 
 def mask_tokens(
@@ -141,8 +137,8 @@ class MLMTask(Task):
 
     name = "mlm"
 
-    def __init__(self, cfg: MLMConfig, stored_model: dict[str, Any] | None = None) -> None:
-        super().__init__(cfg, stored_model)
+    def __init__(self, cfg: MLMConfig) -> None:
+        super().__init__(cfg)
         self.cfg: MLMConfig = cfg
         self.data: TokenData | None = None
         self.train: TokenSplit | None = None
@@ -150,7 +146,7 @@ class MLMTask(Task):
         self._val_batches: list[MaskedBatch] = []
 
     @classmethod
-    def run_name(cls, cfg: RunConfig) -> str:
+    def run_name(cls, cfg: RunConfig[Any]) -> str:
         """<data file name, or shakespeare>-mlm."""
         assert isinstance(cfg, MLMConfig)
         return f"{cfg.text_name()}-mlm"
@@ -158,24 +154,28 @@ class MLMTask(Task):
     def setup(self, run_dir: Path, resume: bool) -> None:
         """The data: a BPE vocabulary with <mask> (learnt from a text file's training split, or the run's or the
         data directory's); check a window fits."""
+        if self.cfg.data_dir and not resume and self.cfg.vocab_size != recipe().vocab_size:
+            raise QkvError(f"{self.cfg.source} is a data directory: its tokenizer is the one it was prepared with; "
+                           "drop --vocab-size")  # fmt: skip
         stored = load_tokenizer(run_dir) if resume else None
         self.data = text_data(self.cfg, run_dir if resume else None, stored, new_tokenizer(self.cfg), "bpe")
         self.tokenizer = self.data.tokenizer
         self.mask_id = mask_id_of(self.tokenizer)
         self.train = self.data.split("train")
-        check_window_fits(self.cfg.block_size, self.train)
+        check_window_fits(self.cfg.window, self.train)
 
-    def new_model_config(self) -> EncoderConfig:
-        """An encoder with the masked-LM head over the tokenizer's vocabulary."""
+    def model_config(self) -> EncoderConfig:
+        """The run's encoder with the masked-LM head over the tokenizer's vocabulary, a context of block_size tokens
+        unless it has one."""
         assert self.tokenizer is not None
-        model_cfg = self.cfg.build_model_config(vocab_size=self.tokenizer.vocab_size, max_positions=self.cfg.block_size)
-        assert isinstance(model_cfg, EncoderConfig)
-        return model_cfg
+        model = self.cfg.model
+        vocab = vocabulary(model.vocab_size, self.tokenizer)
+        return replace(model, vocab_size=vocab, max_positions=model.max_positions or self.cfg.window)
 
     def describe(self) -> str:
         """Token counts, the vocabulary, and how many positions of a window are predicted."""
         assert self.data is not None
-        return f"{self.data.describe()}, {self.cfg.n_selected(self.cfg.block_size)} predicted per window"
+        return f"{self.data.describe()}, {self.cfg.n_selected(self.cfg.window)} predicted per window"
 
     def data_summary(self) -> dict[str, Any] | None:
         """The data directory read, and its tokenizer."""
@@ -185,7 +185,7 @@ class MLMTask(Task):
     def draw(self, generator: torch.Generator, budget: int, parts: int) -> MaskedDraw:
         """`budget` random windows and the uniform draws that mask them."""
         assert self.train is not None and self.tokenizer is not None
-        t = self.cfg.block_size
+        t = self.cfg.window
         starts = random_windows(self.train.window_count(t), budget, generator)
         order, choice = torch.rand(budget, t, generator=generator), torch.rand(budget, t, generator=generator)
         random_ids = torch.randint(len(SPECIAL_TOKENS), self.tokenizer.vocab_size, (budget, t), generator=generator)
@@ -194,8 +194,8 @@ class MLMTask(Task):
     def collate(self, examples: Sequence[Any], device: torch.device) -> MaskedBatch:
         """The windows, masked."""
         assert self.train is not None and isinstance(examples, MaskedDraw)
-        ids, _ = self.train.windows(examples.starts, self.cfg.block_size)
-        n = self.cfg.n_selected(self.cfg.block_size)
+        ids, _ = self.train.windows(examples.starts, self.cfg.window)
+        n = self.cfg.n_selected(self.cfg.window)
         masked = mask_tokens(ids, examples.order, examples.choice, examples.random_ids, n, self.mask_id)
         return MaskedBatch(*masked).to(device)
 
@@ -219,8 +219,8 @@ class MLMTask(Task):
         assert self.data is not None
         if not self._val_batches or self._val_batches[0].inputs.device != device:
             val = self.data.split("val")
-            self._val_batches = masked_windows(val[0 : len(val)], self.cfg, self.data.tokenizer, self.cfg.batch_size,
-                                               device)  # fmt: skip
+            self._val_batches = masked_windows(val[0 : len(val)], self.cfg, self.data.tokenizer,
+                                               self.cfg.data.batch_size, device)  # fmt: skip
         return self._val_batches
 
     def baseline(self) -> float:
@@ -264,7 +264,7 @@ def masked_windows(
     The draws come from a generator seeded by cfg.seed, window by window, so the masks do not depend on
     the batch size: training's evaluation and `qkv eval --batch-size N` score the same task.
     """
-    mask_id, generator, t = mask_id_of(tokenizer), torch.Generator().manual_seed(cfg.seed), cfg.block_size
+    mask_id, generator, t = mask_id_of(tokenizer), torch.Generator().manual_seed(cfg.system.seed), cfg.window
     full = len(ids) // t * t
     windows = [ids[:full].view(-1, t)] + ([ids[full:][None]] if len(ids) > full else [])  # (N, T), (1, r)
     batches = []
@@ -306,7 +306,7 @@ class MLMRun(LoadedRun):
 
     model: EncoderModel
     config: MLMConfig
-    config_class: ClassVar[type[RunConfig]] = MLMConfig
+    config_class: ClassVar[type[RunConfig[Any]]] = MLMConfig
 
     @torch.no_grad()
     def fill_mask(self, text: str, top_k: int = 3) -> list[list[str]]:
@@ -317,7 +317,7 @@ class MLMRun(LoadedRun):
         """
         tokenizer = self.require_tokenizer()
         text = text.replace(f" {MASK}", MASK)
-        ids = tokenizer.encode_tensor(text)[None, : self.config.block_size].to(self.device)
+        ids = tokenizer.encode_tensor(text)[None, : self.config.window].to(self.device)
         where = (ids[0] == mask_id_of(tokenizer)).nonzero().flatten()
         logits = self.model(ids, mlm_positions=where[None]).logits  # (1, masks, V)
         assert logits is not None

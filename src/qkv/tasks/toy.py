@@ -7,75 +7,74 @@ here in seconds: a correct model reproduces held-out sequences exactly (100 % ex
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from qkv.config import TransformerConfig
+from qkv.attention import MultiHeadAttentionConfig
+from qkv.blocks import BlockConfig, FeedForwardConfig, StackConfig
+from qkv.config import option
 from qkv.errors import QkvError
-from qkv.models import Transformer
+from qkv.models import EmbeddingConfig, Transformer, TransformerConfig
+from qkv.positional import SinusoidalPositionsConfig
 from qkv.tasks.base import EvalOptions, LoadedRun
-from qkv.training import Evaluation, RunConfig, Task, TrainResult, option
+from qkv.training import Evaluation, RunConfig, Task, TrainResult
+from qkv.training.config import DataConfig, EvalConfig, OptimConfig, ScheduleConfig, SystemConfig
 from qkv.translation.batching import Seq2SeqBatch, Specials, make_batch, source_tensor
 from qkv.translation.decoding import greedy_decode
 from qkv.translation.step import batch_logits, evaluate_batches, label_smoothed_loss
 
 SPECIALS = Specials(pad=0, bos=1, eos=2)
 FIRST_DIGIT = 3  # digit d is token FIRST_DIGIT + d
-# A small encoder–decoder (pre-norm, no dropout: the task is noise-free).
-DEFAULT_MODEL: dict[str, Any] = {
-    "d_model": 64,
-    "n_heads": 4,
-    "d_ff": 256,
-    "dropout": 0.0,
-    "n_encoder_layers": 2,
-    "n_decoder_layers": 2,
-    "norm_placement": "pre",
-    "max_positions": 64,
-}
 
 
-@dataclass(kw_only=True)
-class CopyConfig(RunConfig):
+@dataclass(frozen=True, kw_only=True)
+class CopyConfig(RunConfig[TransformerConfig]):
     """How to train the copy task: random digit sequences; the target is the source itself."""
 
     task: ClassVar[str] = "copy"
-    model_config: ClassVar[type[TransformerConfig]] = TransformerConfig
-    default_model: ClassVar[dict[str, Any]] = DEFAULT_MODEL
+    model_class: ClassVar[type[TransformerConfig]] = TransformerConfig
 
-    model: dict[str, Any] = option(factory=dict, help="TransformerConfig fields over the recipe's", fixed=True)
-    batch_size: int = option(64, "sequences per micro-batch and process", fixed=True)
     length: int = option(10, "sequence length (the longest, with --min-length)", fixed=True)
     min_length: int | None = option(None, "the shortest sequence length (default: all of --length)", fixed=True)
     n_symbols: int = option(10, "distinct digits", fixed=True)
     n_test: int = option(1000, "held-out sequences the evaluation decodes")
-    max_steps: int = option(300, "optimiser steps (the schedule's length)")
-    min_lr: float | None = option(3e-4, "final learning rate")
-    beta2: float = option(0.98, "AdamW β₂")
-    weight_decay: float = option(0.0, "AdamW weight decay on matrices")
-    fused_optimizer: bool = option(False, "PyTorch's fused AdamW kernel (off: its multi-tensor implementation)")
-    eval_interval: int = option(300, "steps between evaluations and checkpoints")
-    # Tiny matrices: two threads only wait on each other (qkv.io.devices.cpu_threads).
-    cpu_threads: int | None = option(1, "intra-op CPU threads")
-    seed: int = option(0, "random seed (weights, batches)", fixed=True)
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         """The shared checks, then the lengths."""
-        super().__post_init__()
+        super().check()
         shortest = self.length if self.min_length is None else self.min_length
         if not 1 <= shortest <= self.length or self.n_symbols < 1 or self.n_test < 1:
             raise QkvError(f"need 1 ≤ min-length ≤ length and positive n-symbols, n-test; got min-length {shortest}, "
                            f"length {self.length}, n-symbols {self.n_symbols}, n-test {self.n_test}")  # fmt: skip
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class ReverseConfig(CopyConfig):
     """How to train the reverse task: the target is the source backwards."""
 
     task: ClassVar[str] = "reverse"
+
+
+def recipe(cls: type[CopyConfig] = CopyConfig) -> CopyConfig:
+    """A small encoder–decoder (2 + 2 pre-norm layers × 64 wide, no dropout: the task is noise-free), AdamW without
+    weight decay, on one thread (two only wait on each other over such small matrices)."""
+    block = BlockConfig(attention=MultiHeadAttentionConfig(n_heads=4, dropout=0.0),
+                        ffn=FeedForwardConfig(d_ff=256, dropout=0.0), norm_placement="pre", dropout=0.0)  # fmt: skip
+    side = StackConfig(n_layers=2, block=block)
+    model = TransformerConfig(d_model=64, max_positions=64, embedding=EmbeddingConfig(
+        positions=SinusoidalPositionsConfig(), scale=True, dropout=0.0), encoder=side, decoder=side)  # fmt: skip
+    return cls(model=model, data=DataConfig(batch_size=64), optim=OptimConfig(beta2=0.98, weight_decay=0.0, fused=False),
+               schedule=ScheduleConfig(max_steps=300, min_lr=3e-4), eval=EvalConfig(interval=300),
+               system=SystemConfig(cpu_threads=1, seed=0))  # fmt: skip
+
+
+def reverse_recipe() -> CopyConfig:
+    """The copy task's recipe, reversing."""
+    return recipe(ReverseConfig)
 
 
 def random_sequences(n: int, length: int, n_symbols: int, gen: torch.Generator) -> list[list[int]]:
@@ -90,8 +89,8 @@ class ToyTask(Task):
     best_metric = "val_exact_match"
     higher_is_better = True
 
-    def __init__(self, cfg: CopyConfig, stored_model: dict[str, Any] | None = None) -> None:
-        super().__init__(cfg, stored_model)
+    def __init__(self, cfg: CopyConfig) -> None:
+        super().__init__(cfg)
         self.cfg: CopyConfig = cfg
         self.test: list[list[int]] = []
 
@@ -102,15 +101,14 @@ class ToyTask(Task):
     def setup(self, run_dir: Path, resume: bool) -> None:
         """The held-out sequences (from their own seed: never a training batch)."""
         cfg = self.cfg
-        self.test = random_sequences(cfg.n_test, cfg.length, cfg.n_symbols, torch.Generator().manual_seed(cfg.seed + 1))
+        seed = torch.Generator().manual_seed(cfg.system.seed + 1)
+        self.test = random_sequences(cfg.n_test, cfg.length, cfg.n_symbols, seed)
 
-    def new_model_config(self) -> TransformerConfig:
+    def model_config(self) -> TransformerConfig:
         """An encoder–decoder over <pad> <s> </s> and the digits."""
         vocab = FIRST_DIGIT + self.cfg.n_symbols
-        model_cfg = self.cfg.build_model_config(src_vocab_size=vocab, tgt_vocab_size=vocab, share_embeddings=True,
-                                                pad_id=SPECIALS.pad)  # fmt: skip
-        assert isinstance(model_cfg, TransformerConfig)
-        return model_cfg
+        return replace(self.cfg.model, src_vocab_size=vocab, tgt_vocab_size=vocab, share_embeddings=True,
+                       pad_id=SPECIALS.pad)  # fmt: skip
 
     def describe(self) -> str:
         """The sequences."""
@@ -176,7 +174,7 @@ class ToyRun(LoadedRun):
 
     model: Transformer
     config: CopyConfig
-    config_class: ClassVar[type[RunConfig]] = CopyConfig
+    config_class: ClassVar[type[RunConfig[Any]]] = CopyConfig
 
     def evaluate(self, options: EvalOptions) -> list[str]:
         """Exact match on the held-out sequences."""
@@ -191,4 +189,4 @@ class ToyRun(LoadedRun):
 class ReverseRun(ToyRun):
     """A trained reverse model."""
 
-    config_class: ClassVar[type[RunConfig]] = ReverseConfig
+    config_class: ClassVar[type[RunConfig[Any]]] = ReverseConfig

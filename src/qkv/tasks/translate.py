@@ -12,21 +12,24 @@ matrices with Muon (qkv.training.optim); benchmarks/TRANSLATION.md measures each
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
 
-from qkv.config import TransformerConfig
+from qkv.attention import MultiHeadAttentionConfig
+from qkv.blocks import BlockConfig, FeedForwardConfig, StackConfig
+from qkv.config import option
 from qkv.errors import QkvError
 from qkv.extras import require
-from qkv.models import Transformer
+from qkv.models import EmbeddingConfig, Transformer, TransformerConfig
+from qkv.positional import SinusoidalPositionsConfig
 from qkv.tasks.base import EvalOptions, LoadedRun, read_tokenizer
 from qkv.tokenizers import Tokenizer
-from qkv.training import Evaluation, RunConfig, Task, TrainResult, option
-from qkv.training.config import OPTIMIZERS, absolute, positive_int
+from qkv.training import Evaluation, RunConfig, Task, TrainResult
+from qkv.training.config import DataConfig, EvalConfig, OptimConfig, ScheduleConfig
 from qkv.translation.batching import Seq2SeqBatch, Specials, batches_of, encode_pairs, length_buckets, make_batch
 from qkv.translation.bible import split_bible
 from qkv.translation.corpus import Splits, combine, split_de_en, split_pairs_file
@@ -35,82 +38,66 @@ from qkv.translation.metrics import corpus_bleu, corpus_chrf, paired_bootstrap_b
 from qkv.translation.run import Translator, rescored, specials_of, train_tokenizer
 from qkv.translation.step import batch_logits, evaluate_batches, label_smoothed_loss
 
-DEFAULT_VOCAB = 4000
-CORPORA = ("ding", "bible", "ding+bible")  # the embedded German–English corpora (qkv/data/DE_EN.md, BIBLE.md)
+Corpus = Literal["ding", "bible", "ding+bible"]  # the embedded German–English corpora (qkv/data/DE_EN.md, BIBLE.md)
 DEFAULT_CORPUS = "ding+bible"  # everyday sentences and verses: the model learns both kinds of German
 
-# Sized for a 2-core CPU and a 15-minute budget: 2 + 2 layers × 128 wide, 1.44 M parameters with the shared
-# 4,000-token vocabulary (benchmarks/TRANSLATION.md has the measurements behind each choice).
-DEFAULT_MODEL: dict[str, Any] = {
-    "d_model": 128,
-    "n_heads": 4,
-    "d_ff": 512,
-    "n_encoder_layers": 2,
-    "n_decoder_layers": 2,
-    "dropout": 0.0,  # ~6 passes over 46k pairs do not overfit, and a step without dropout's masks is 25 % faster
-    "attention_dropout": 0.0,  # as in the paper; it also lets the fused attention kernel train on a CPU
-    "norm_placement": "pre",  # stable at a higher learning rate than the paper's post-norm in short runs
-}
 
-
-@dataclass(kw_only=True)
-class TranslateConfig(RunConfig):
-    """How to train a translation model: the shared settings (with the translation recipe's defaults) and its own."""
+@dataclass(frozen=True, kw_only=True)
+class TranslateConfig(RunConfig[TransformerConfig]):
+    """How to train a translation model: the shared settings and its own."""
 
     task: ClassVar[str] = "translate"
-    model_config: ClassVar[type[TransformerConfig]] = TransformerConfig
-    default_model: ClassVar[dict[str, Any]] = DEFAULT_MODEL
+    model_class: ClassVar[type[TransformerConfig]] = TransformerConfig
+    paths: ClassVar[tuple[str, ...]] = ("source", "init_from")
 
-    model: dict[str, Any] = option(factory=dict, help="TransformerConfig fields over the recipe's", fixed=True)
-    corpus: str = option(DEFAULT_CORPUS, "the embedded corpus: the Ding sentences, the Bible's verses, or both",
-                         fixed=True, choices=CORPORA)  # fmt: skip
-    data: str | None = option(None, "a UTF-8 file of source<TAB>target pairs (none: the embedded --corpus)",
-                              fixed=True)  # fmt: skip
+    corpus: Corpus = option(DEFAULT_CORPUS, "the embedded corpus: the Ding sentences, the Bible's verses, or both",
+                            fixed=True)  # fmt: skip
+    source: str | None = option(None, "a UTF-8 file of source<TAB>target pairs (none: the embedded --corpus)",
+                                fixed=True, flag="data")  # fmt: skip
     src_lang: str = option("de", "the source language's label, for display")
     tgt_lang: str = option("en", "the target language's label, for display")
     init_from: str | None = option(None, "start from the weights, model and tokenizer of this translation run or "
                                    "MarianMT (OPUS-MT) directory (none: from scratch)", fixed=True)  # fmt: skip
-    vocab_size: int = option(DEFAULT_VOCAB, "the shared byte-level BPE vocabulary's size", fixed=True)
-    batch_size: int = option(1500, "padded tokens per side, per micro-batch and process", fixed=True)
-    max_steps: int = option(4000, "optimiser steps (the schedule's length)")
-    max_time: float | None = option(840.0, "stop after this many seconds, evaluations included (none: no limit)")
-    min_lr: float | None = option(0.0, "final learning rate")
-    warmup_steps: int = option(200, "linear warmup steps")
-    optimizer: str = option("muon", "adamw, or muon: Muon for the blocks' matrices, AdamW for the rest", fixed=True,
-                            choices=OPTIMIZERS)  # fmt: skip
-    beta2: float = option(0.98, "AdamW β₂ (the paper's)")
+    vocab_size: int = option(4000, "the shared byte-level BPE vocabulary's size", fixed=True)
     label_smoothing: float = option(0.1, "label smoothing ε (the paper's)")
-    eval_interval: int = option(2000, "steps between evaluations (each decodes the validation pairs)")
     beam_size: int = option(4, "beam size of `qkv translate` and `qkv eval` (1 = greedy)")
     length_penalty: float = option(LENGTH_PENALTY, "beam search: GNMT's length penalty α")
     coverage_penalty: float = option(COVERAGE_PENALTY, "beam search: GNMT's coverage penalty β (unattended "
-                                    "source tokens)")  # fmt: skip
+                                     "source tokens)")  # fmt: skip
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         """The shared checks, then the translation task's own."""
-        super().__post_init__()
-        positive_int(self, "vocab_size")
-        positive_int(self, "beam_size")
+        super().check()
+        if self.vocab_size < 1 or self.beam_size < 1:
+            raise QkvError(f"vocab-size and beam-size must be positive integers, got {self.vocab_size} and "
+                           f"{self.beam_size}")  # fmt: skip
         if not 0 <= self.label_smoothing < 1:
             raise QkvError(f"label smoothing must be in [0, 1), got {self.label_smoothing}")
         check_penalties(self.length_penalty, self.coverage_penalty)
-        reserved = sorted({"src_vocab_size", "tgt_vocab_size", "pad_id", "share_embeddings"} & set(self.model))
-        if reserved:
-            raise QkvError(f"{', '.join(reserved)}: set by the task (one shared vocabulary); use --vocab-size")
-        if self.data is not None and self.corpus != DEFAULT_CORPUS:
+        if self.source is not None and self.corpus != DEFAULT_CORPUS:
             raise QkvError("--data and --corpus both name the training pairs; give one")
-        if self.init_from is not None and (self.model != self.default_model or self.vocab_size != DEFAULT_VOCAB):
-            raise QkvError("--init-from takes the model and vocabulary of the run it names; leave --vocab-size and "
-                           "the model options unset")  # fmt: skip
-        self.data, self.init_from = absolute(self.data), absolute(self.init_from)
 
     def splits(self) -> Splits:
         """The run's train / validation / test pairs."""
-        if self.data is not None:
-            return split_pairs_file(self.data)
+        if self.source is not None:
+            return split_pairs_file(self.source)
         corpora = {name: split() for name, split in (("bible", split_bible), ("ding", split_de_en))
                    if name in self.corpus.split("+")}  # fmt: skip
         return combine(corpora) if len(corpora) > 1 else next(iter(corpora.values()))
+
+
+def recipe() -> TranslateConfig:
+    """Sized for a 2-core CPU and a 15-minute budget: 2 + 2 pre-norm layers × 128 wide, 1.44 M parameters with the
+    shared 4,000-token vocabulary, no dropout, Muon for the blocks' matrices with the paper's β₂
+    (benchmarks/TRANSLATION.md has the measurements behind each choice)."""
+    block = BlockConfig(attention=MultiHeadAttentionConfig(n_heads=4, dropout=0.0),
+                        ffn=FeedForwardConfig(d_ff=512, dropout=0.0), norm_placement="pre", dropout=0.0)  # fmt: skip
+    side = StackConfig(n_layers=2, block=block)
+    model = TransformerConfig(d_model=128, embedding=EmbeddingConfig(positions=SinusoidalPositionsConfig(), scale=True,
+                              dropout=0.0), encoder=side, decoder=side)  # fmt: skip
+    return TranslateConfig(model=model, data=DataConfig(batch_size=1500), optim=OptimConfig(name="muon", beta2=0.98),
+                           schedule=ScheduleConfig(max_steps=4000, max_time=840.0, min_lr=0.0, warmup_steps=200),
+                           eval=EvalConfig(interval=2000))  # fmt: skip
 
 
 def starting_point(path: str) -> tuple[Transformer, Tokenizer]:
@@ -155,8 +142,8 @@ class TranslateTask(Task):
     higher_is_better = True
     dynamic_shapes = True
 
-    def __init__(self, cfg: TranslateConfig, stored_model: dict[str, Any] | None = None) -> None:
-        super().__init__(cfg, stored_model)
+    def __init__(self, cfg: TranslateConfig) -> None:
+        super().__init__(cfg)
         self.cfg: TranslateConfig = cfg
         self.pairs: list[tuple[list[int], list[int]]] = []
         self.val_batches: list[Seq2SeqBatch] = []
@@ -165,11 +152,11 @@ class TranslateTask(Task):
         self.initial: Transformer | None = None  # the model --init-from names (a new run only)
 
     @classmethod
-    def run_name(cls, cfg: RunConfig) -> str:
+    def run_name(cls, cfg: RunConfig[Any]) -> str:
         """de-en for the Ding sentences, bible-de-en for the Bible (ding-bible-de-en for both), else the file's name."""
         assert isinstance(cfg, TranslateConfig)
-        if cfg.data is not None:
-            return Path(cfg.data).stem
+        if cfg.source is not None:
+            return Path(cfg.source).stem
         return "de-en" if cfg.corpus == "ding" else f"{cfg.corpus.replace('+', '-')}-de-en"
 
     def setup(self, run_dir: Path, resume: bool) -> None:
@@ -181,28 +168,30 @@ class TranslateTask(Task):
             if self.tokenizer is None:
                 raise QkvError(f"{run_dir} has no tokenizer: it is not a translation run to --resume")
         elif self.cfg.init_from is not None:
+            fresh = recipe()
+            if self.cfg.model != fresh.model or self.cfg.vocab_size != fresh.vocab_size:
+                raise QkvError("--init-from takes the model and vocabulary of the run it names; leave --vocab-size and "
+                               "the model options unset")  # fmt: skip
             self.initial, self.tokenizer = starting_point(self.cfg.init_from)
         else:  # the vocabulary sees the training split only, both languages
             self.tokenizer = train_tokenizer([s for pair in splits.train for s in pair], self.cfg.vocab_size)
         self.specials = specials_of(self.tokenizer)
-        max_len = self.model_config().max_positions
+        max_len = self.model_config().context_length
         self.pairs = encode_pairs(self.tokenizer, splits.train, max_len)
-        self.val_batches = batches_of(encode_pairs(self.tokenizer, splits.val, max_len), self.cfg.batch_size,
+        self.val_batches = batches_of(encode_pairs(self.tokenizer, splits.val, max_len), self.cfg.data.batch_size,
                                       self.specials)  # fmt: skip
 
-    def _vocabulary(self) -> dict[str, Any]:
-        """The model-config fields the tokenizer decides."""
-        assert self.tokenizer is not None
-        size = self.tokenizer.vocab_size
-        return {"src_vocab_size": size, "tgt_vocab_size": size, "share_embeddings": True, "pad_id": self.specials.pad}
-
-    def new_model_config(self) -> TransformerConfig:
-        """An encoder–decoder over the shared vocabulary, its embeddings shared and tied to the output layer."""
+    def model_config(self) -> TransformerConfig:
+        """An encoder–decoder over the shared vocabulary, its embeddings shared and tied to the output layer (the
+        model --init-from names, as it is)."""
         if self.initial is not None:
             return self.initial.cfg
-        model_cfg = self.cfg.build_model_config(**self._vocabulary())
-        assert isinstance(model_cfg, TransformerConfig)
-        return model_cfg
+        assert self.tokenizer is not None
+        model, size = self.cfg.model, self.tokenizer.vocab_size
+        for name in ("src_vocab_size", "tgt_vocab_size"):
+            if getattr(model, name) not in (None, size):
+                raise QkvError(f"--model {name} is set by the task (one vocabulary for both sides); use --vocab-size")
+        return replace(model, src_vocab_size=size, tgt_vocab_size=size, share_embeddings=True, pad_id=self.specials.pad)
 
     def build_model(self) -> Transformer:
         """A new model, or the weights of the run --init-from names (a resumed run loads its own checkpoint)."""
@@ -272,7 +261,7 @@ class TranslationRun(LoadedRun):
 
     model: Transformer
     config: TranslateConfig
-    config_class: ClassVar[type[RunConfig]] = TranslateConfig
+    config_class: ClassVar[type[RunConfig[Any]]] = TranslateConfig
 
     def translator(self, length_penalty: float | None = None, coverage_penalty: float | None = None) -> Translator:
         """A translator with the run's beam settings, or the penalties given."""

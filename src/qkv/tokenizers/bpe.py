@@ -13,6 +13,7 @@ import tokenizers as hf  # Hugging Face's package, not this one (qkv.tokenizers)
 from qkv.errors import QkvError
 from qkv.io.files import atomic_write_json, load_json
 from qkv.tokenizers.base import CONFIG_FILE, ENDOFTEXT, TOKENIZER_FILE, Tokenizer
+from qkv.tokenizers.byte_level import byte_decoder, tiktoken_engine
 
 # 256 byte tokens + at least one special token; above the upper bound is surely a typo (GPT-4 uses ~100k).
 MIN_BPE_VOCAB = 257
@@ -94,9 +95,7 @@ class ByteBPETokenizer(Tokenizer):
     def encode_ordinary(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each text with special-token strings as plain text; GPT-2's vocabulary runs on tiktoken."""
         if self._ordinary is None:
-            from qkv.tokenizers.gpt2 import tiktoken_engine
-
-            fast = tiktoken_engine(self)
+            fast = tiktoken_engine(self.fingerprint(), self._tok.get_vocab(with_added_tokens=False))
             if fast is not None:
                 self._ordinary = fast.encode_ordinary
             else:  # the same tokenizer without its special tokens: "<|endoftext|>" in a text is just text
@@ -108,8 +107,6 @@ class ByteBPETokenizer(Tokenizer):
 
     def token_bytes(self) -> list[int]:
         """UTF-8 bytes of each token's text, 0 for special tokens; for byte-level BPEs (GPT-2's byte alphabet)."""
-        from qkv.tokenizers.gpt2 import byte_decoder
-
         decoder = self._tok.decoder
         if not isinstance(decoder, hf.decoders.ByteLevel):
             raise QkvError(f"bits per byte needs the bytes of text each token stands for, which this BPE (decoder "

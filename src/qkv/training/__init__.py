@@ -2,7 +2,7 @@
 
     loop.py         fit(): the loop (optimiser, accumulation, precision, compile, DDP/FSDP, budget, checkpoints)
     task.py         Task: what a task supplies to the loop (data, model, batches, loss, evaluation, report)
-    config.py       RunConfig: the settings every task shares, defined and validated once
+    config.py       RunConfig: the settings every task shares, in sections, each defined and validated once
     checkpoint.py   crash-safe training state (weights, optimiser, RNGs) for exact resume
     distributed.py  DDP and FSDP under torchrun
     recompute.py    activation checkpointing: each layer recomputed in the backward pass
@@ -10,7 +10,7 @@
 The tasks themselves (language model, translation, masked LM, copy/reverse) are in qkv.tasks.
 """
 
-from qkv.training.config import RunConfig, option
+from qkv.training.config import RunConfig
 from qkv.training.evaluate import bits_per_byte, evaluate_loss, evaluate_sums, perplexity
 from qkv.training.loop import Hooks, StepInfo, fit
 from qkv.training.task import Batch, Evaluation, Task, TrainResult
@@ -27,6 +27,5 @@ __all__ = [
     "evaluate_loss",
     "evaluate_sums",
     "fit",
-    "option",
     "perplexity",
 ]

@@ -1,199 +1,273 @@
-"""RunConfig: the settings every training task shares, defined and validated once.
+"""RunConfig: how a run trains, in sections (optimiser, schedule, evaluation, data, system, checkpointing) beside
+its model config; a task's config adds the settings of its own.
 
-A task's config (qkv.tasks: LMConfig, TranslateConfig, MLMConfig, CopyConfig, …) subclasses it, adds
-its own fields and may give a shared field its own default (the translation task keeps β₂ 0.98, …).
-Each field carries its help text (`option`), so one field appears in the command line
-(`qkv train TASK --help`), in config.json and in the Python API together.
-
-A config remembers which settings it was given (`given`): resuming a run keeps the stored settings
-except those, even where a given value equals the default.
+Every setting is declared once, with its help text (`option`), and has one command-line flag: its name, or the
+flag its declaration gives (optim.name is --optimizer, lora.rank is --lora-rank). The flags are what
+`qkv train TASK` offers and what `override` takes besides dotted paths. A task's defaults come from its recipe
+(a function returning its whole config, qkv.tasks), never from fields declared again.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+import typing
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, Literal, TypeVar
 
-from qkv.config import BlockConfig
+from qkv.config import Config, option, positive
 from qkv.errors import QkvError
-from qkv.io.devices import DTYPES
-from qkv.training.schedule import SCHEDULE_KINDS
+from qkv.models import ModelConfig
 
-OPTIMIZERS = ("adamw", "muon")  # qkv.training.optim
-STRATEGIES = ("ddp", "fsdp")  # how several processes (torchrun, --nproc) share the work
+M = TypeVar("M", bound=ModelConfig)
+R = TypeVar("R", bound="RunConfig[Any]")
 
-
-def option(
-    default: Any = dataclasses.MISSING,
-    help: str = "",
-    *,
-    fixed: bool = False,
-    choices: tuple[str, ...] | None = None,
-    factory: Any = dataclasses.MISSING,
-) -> Any:
-    """A config field with its help text; fixed: what a run trains, which a resumed run may not change."""
-    metadata = {"help": help, "fixed": fixed, "choices": choices}
-    return field(default=default, default_factory=factory, metadata=metadata)
+Optimizer = Literal["adamw", "muon"]  # qkv.training.optim
+Schedule = Literal["cosine", "linear", "constant", "inverse_sqrt"]  # qkv.training.schedule
+Strategy = Literal["ddp", "fsdp"]  # how several processes (torchrun, --nproc) share the work
+STRATEGIES: tuple[str, ...] = typing.get_args(Strategy)
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
-def dashed(name: str) -> str:
-    """A field's name as its command-line option: max_steps → max-steps."""
-    return name.replace("_", "-")
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig(Config):
+    """The optimiser."""
 
-
-@dataclass(kw_only=True)
-class RunConfig:
-    """How to train: batch, optimiser, schedule, budget, evaluation, device, processes, output."""
-
-    task: ClassVar[str] = ""  # the task's name in qkv.tasks' registry
-    model_config: ClassVar[type[BlockConfig]] = BlockConfig  # the model config `model` holds fields of
-    default_model: ClassVar[dict[str, Any]] = {}  # the task's model recipe, under the given `model` fields
-    newton_schulz_steps: ClassVar[int] = 5  # the recipe's orthogonalisation iterations per Muon step
-
-    model: dict[str, Any] = option(factory=dict, help="model-config fields over the task's recipe", fixed=True)
-    batch_size: int = option(8, "sequences per micro-batch and process", fixed=True)
-    grad_accum: int = option(1, "micro-batches per optimiser step", fixed=True)
-    max_steps: int = option(600, "optimiser steps (the schedule's length)")
-    max_time: float | None = option(None, "stop after this many seconds, evaluations included (none: no limit)")
+    name: Optimizer = option("adamw", "adamw, or muon: Muon for the blocks' matrices, AdamW for the rest",
+                             fixed=True, flag="optimizer")  # fmt: skip
     lr: float = option(3e-3, "peak learning rate")
-    min_lr: float | None = option(None, "final learning rate (none: lr / 20)")
-    warmup_steps: int = option(100, "linear warmup steps")
-    schedule: str = option("cosine", "the decay after warmup", choices=SCHEDULE_KINDS)
-    optimizer: str = option("adamw", "adamw, or muon: Muon for the blocks' matrices, AdamW for the rest", fixed=True,
-                            choices=OPTIMIZERS)  # fmt: skip
     weight_decay: float = option(0.1, "AdamW weight decay on matrices")
     beta1: float = option(0.9, "AdamW β₁")
     beta2: float = option(0.99, "AdamW β₂")
     grad_clip: float = option(1.0, "max gradient norm (0 = no clipping)")
-    fused_optimizer: bool = option(True, "PyTorch's fused AdamW kernel (off: its multi-tensor implementation)")
-    eval_interval: int = option(300, "steps between evaluations and checkpoints")
+    fused: bool = option(True, "PyTorch's fused AdamW kernel (off: its multi-tensor implementation)",
+                         flag="fused_optimizer")  # fmt: skip
+    newton_schulz_steps: int = option(5, "Muon: Newton–Schulz iterations that orthogonalise each update")
+
+    def check(self) -> None:
+        """Positive rates, betas in [0, 1)."""
+        if self.lr <= 0:
+            raise QkvError(f"lr must be positive, got {self.lr}")
+        if self.grad_clip < 0 or self.weight_decay < 0:
+            raise QkvError("grad-clip and weight-decay must be ≥ 0")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise QkvError(f"betas must be in [0, 1), got ({self.beta1}, {self.beta2})")
+        positive(self, "newton_schulz_steps")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleConfig(Config):
+    """The learning rate over the run, and its length."""
+
+    decay: Schedule = option("cosine", "the decay after warmup", flag="schedule")
+    warmup_steps: int = option(100, "linear warmup steps")
+    max_steps: int = option(600, "optimiser steps (the schedule's length)")
+    min_lr: float | None = option(None, "final learning rate (none: lr / 20)")
+    max_time: float | None = option(None, "stop after this many seconds, evaluations included (none: no limit)")
+
+    def check(self) -> None:
+        """A positive length and time budget, a warmup ≥ 0."""
+        if self.max_steps < 1:
+            raise QkvError(f"max-steps must be a positive integer, got {self.max_steps!r}")
+        if self.warmup_steps < 0:
+            raise QkvError(f"warmup-steps must be ≥ 0, got {self.warmup_steps}")
+        if self.max_time is not None and self.max_time <= 0:
+            raise QkvError(f"max-time must be positive seconds, got {self.max_time}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig(Config):
+    """How much each step reads."""
+
+    batch_size: int = option(8, "examples per micro-batch and process, in the task's unit", fixed=True)
+    grad_accum: int = option(1, "micro-batches per optimiser step", fixed=True)
+
+    def check(self) -> None:
+        """Positive sizes."""
+        for name in ("batch_size", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise QkvError(f"{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig(Config):
+    """When the run evaluates (and saves)."""
+
+    interval: int = option(300, "steps between evaluations and checkpoints", flag="eval_interval")
+
+    def check(self) -> None:
+        """A positive interval."""
+        if self.interval < 1:
+            raise QkvError(f"eval-interval must be a positive integer, got {self.interval!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SystemConfig(Config):
+    """Where and how the run computes."""
+
     device: str = option("auto", "auto, cpu, cuda, cuda:N or mps")
-    dtype: str = option("auto", "autocast dtype, weights stay float32 (auto: bfloat16 with TF32 matmuls on CUDA, "
-                        "float32 elsewhere; float32: full precision everywhere)",
-                        choices=("auto", *DTYPES))  # fmt: skip
+    dtype: Dtype = option("auto", "autocast dtype, weights stay float32 (auto: bfloat16 with TF32 matmuls on CUDA, "
+                          "float32 elsewhere; float32: full precision everywhere)")  # fmt: skip
     compile: bool = option(False, "torch.compile each Transformer layer (whole graphs only: a graph break is an "
                            "error); works with ddp and fsdp")  # fmt: skip
     activation_checkpointing: bool = option(False, "recompute each layer's activations in the backward pass instead "
                                             "of keeping them: less memory, one more forward per layer")  # fmt: skip
     cpu_threads: int | None = option(None, "intra-op CPU threads (none: one per core)")
-    strategy: str = option("ddp", "with several processes: ddp, or fsdp (sharded parameters)", choices=STRATEGIES)
+    strategy: Strategy = option("ddp", "with several processes: ddp, or fsdp (sharded parameters)")
     dist_timeout: float = option(1800.0, "seconds a collective waits for a slow, dead or hung process (a rank "
                                  "waits at a checkpoint while the others write theirs)")  # fmt: skip
-    async_checkpoint: bool = option(False, "write checkpoints in a background thread while training goes on (the "
-                                    "state is first copied to memory; committed when written)")  # fmt: skip
     seed: int = option(1337, "random seed (weights, batches, dropout)", fixed=True)
-    out_dir: str | None = option(None, "run directory (none: runs/<task name>-<date>-<time>)")
-    resume: bool = option(False, "continue the run in --out-dir")
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> RunConfig:
-        """Remember which settings were given, before the dataclass __init__ sets every field."""
-        self = super().__new__(cls)
-        object.__setattr__(self, "_given", frozenset(kwargs))
-        return self
-
-    def __post_init__(self) -> None:
-        """Refuse impossible settings with a message naming the setting."""
-        for f in dataclasses.fields(self):
-            choices, value = f.metadata.get("choices"), getattr(self, f.name)
-            if choices and value not in choices and not (value is None and f.default is None):
-                raise QkvError(f"unknown {f.name} {getattr(self, f.name)!r}; choose one of: {', '.join(choices)}")
-        for name in ("batch_size", "grad_accum", "max_steps", "eval_interval"):
-            positive_int(self, name)
-        if self.cpu_threads is not None:
-            positive_int(self, "cpu_threads")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise QkvError(f"warmup-steps must be ≥ 0, got {self.warmup_steps}")
-        if self.lr <= 0:
-            raise QkvError(f"lr must be positive, got {self.lr}")
-        if self.max_time is not None and self.max_time <= 0:
-            raise QkvError(f"max-time must be positive seconds, got {self.max_time}")
+    def check(self) -> None:
+        """Positive thread counts and timeouts."""
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise QkvError(f"cpu-threads must be a positive integer, got {self.cpu_threads!r}")
         if self.dist_timeout <= 0:
             raise QkvError(f"dist-timeout must be positive seconds, got {self.dist_timeout}")
-        if self.grad_clip < 0 or self.weight_decay < 0:
-            raise QkvError("grad-clip and weight-decay must be ≥ 0")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise QkvError(f"betas must be in [0, 1), got ({self.beta1}, {self.beta2})")
-        self._check_model()
-        if not self.resume:  # a resumed run's settings are checked together once merged with the stored ones
-            self.check_together()
 
-    def check_together(self) -> None:
-        """The rules that tie settings to each other (run on the whole, merged config of a resumed run too)."""
-        if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
-            raise QkvError(f"min-lr must be in [0, lr={self.lr}], got {self.min_lr}")
 
-    def _check_model(self) -> None:
-        """Lay the given model fields over the task's recipe, refusing names its model config does not have."""
-        if not isinstance(self.model, dict):
-            raise QkvError(f"model must be a dict of {self.model_config.__name__} fields, got {type(self.model)}")
-        recipe = self.recipe()
-        if self.model.get("attention") == "mla":  # every head reads MLA's one latent: no key/value heads to set
-            recipe.pop("n_kv_heads", None)
-        self.model = {**recipe, **self.model}
-        unknown = sorted(set(self.model) - {f.name for f in dataclasses.fields(self.model_config)})
-        if unknown:
-            names = ", ".join(map(str, unknown))
-            raise QkvError(f"unknown model field(s): {names}; see {self.model_config.__name__} for the fields")
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig(Config):
+    """Where the run lives, and how it saves."""
 
-    def recipe(self) -> dict[str, Any]:
-        """The model fields the task's recipe sets under the given ones (a fine-tuning run takes its checkpoint's)."""
-        return dict(self.default_model)
+    out_dir: str | None = option(None, "run directory (none: runs/<task name>-<date>-<time>)")
+    resume: bool = option(False, "continue the run in --out-dir")
+    async_save: bool = option(False, "write checkpoints in a background thread while training goes on (the state "
+                              "is first copied to memory; committed when written)", flag="async_checkpoint")  # fmt: skip
 
-    @property
-    def given(self) -> frozenset[str]:
-        """The settings this config was given explicitly (the others hold defaults)."""
-        return self.__dict__.get("_given", frozenset())
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig(Config, Generic[M]):
+    """A whole run: the model, the sections every task has, and (in a task's config) the task's own settings."""
+
+    task: ClassVar[str] = ""  # the task's name in qkv.tasks' registry
+    model_class: ClassVar[type[ModelConfig]] = ModelConfig  # the kind of model the task trains
+    paths: ClassVar[tuple[str, ...]] = ()  # settings that name files: stored absolute, for eval and resume anywhere
+
+    model: M = option(help="the model; --model KEY=VALUE sets its settings", fixed=True)
+    optim: OptimConfig = OptimConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    data: DataConfig = DataConfig()
+    eval: EvalConfig = EvalConfig()
+    system: SystemConfig = SystemConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+
+    def check(self) -> None:
+        """The rules that tie sections to each other, and the model's kind."""
+        if not isinstance(self.model, self.model_class):
+            raise QkvError(f"a {self.task} run trains a {self.model_class.__name__}, got {type(self.model).__name__}")
+        min_lr = self.schedule.min_lr
+        if min_lr is not None and not 0 <= min_lr <= self.optim.lr:
+            raise QkvError(f"min-lr must be in [0, lr={self.optim.lr}], got {min_lr}")
 
     @property
     def final_lr(self) -> float:
         """The learning rate at the end of the schedule."""
-        return self.lr / 20 if self.min_lr is None else self.min_lr
-
-    def build_model_config(self, **task_fields: Any) -> Any:
-        """The model config: the task's own fields (vocabulary, …) plus `model`, with one-line errors."""
-        try:
-            return self.model_config(**{**task_fields, **self.model})
-        except TypeError as e:  # a value of the wrong type, e.g. --model dropout=abc
-            raise QkvError(f"invalid model setting in {self.model}: {e}") from None
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict of every setting."""
-        return dataclasses.asdict(self)
+        return self.optim.lr / 20 if self.schedule.min_lr is None else self.schedule.min_lr
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
-        """Build from config.json's "training" entry, refusing unknown keys by name."""
-        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise QkvError(f"unknown {cls.task or 'training'} setting(s): {', '.join(unknown)}")
-        return cls(**data)
+    def from_dict(cls: type[R], data: Mapping[str, Any], path: str = "") -> R:
+        """Build from a dict; its model entry as the task's kind of model config."""
+        data = dict(data)
+        if isinstance(data.get("model"), Mapping):
+            data["model"] = cls.model_class.from_dict(data["model"], "model")
+        return super().from_dict(data, path)
 
-    def resumed_from(self, stored: dict[str, Any]) -> RunConfig:
-        """The stored run's settings with the ones given here laid over them; what the run trains may not change."""
-        kept = type(self).from_dict(stored)
-        changes: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            if f.name not in self.given or f.name in ("resume", "out_dir"):
-                continue
-            new, old = getattr(self, f.name), getattr(kept, f.name)
-            if f.metadata.get("fixed") and new != old:
-                flag = "--model" if f.name == "model" else f"--{dashed(f.name)}"
-                raise QkvError(f"{flag} cannot change on --resume (the run has {f.name}={old!r}); drop it")
-            changes[f.name] = new
-        merged = type(self)(**{**stored, **changes, "resume": True, "out_dir": self.out_dir})
-        merged.check_together()
-        return merged
+    @classmethod
+    def flags(cls) -> dict[str, str]:
+        """Every setting's command-line name (underscores) → its dotted path, the model's excepted."""
+        return {flag: path for flag, path, _, _ in setting_fields(cls)}
+
+    def expand(self, key: str) -> list[str]:
+        """A flag's path, or the key itself (a dotted path)."""
+        return [self.flags().get(key, key)]
+
+    def override(self: R, settings: Mapping[str, Any]) -> R:
+        """A new config with settings changed: flags or dotted paths; model.* settings as the model config takes
+        them (short paths and flat keys too)."""
+        model = {k.removeprefix("model."): v for k, v in settings.items() if k.startswith("model.")}
+        rest = {k: v for k, v in settings.items() if not k.startswith("model.")}
+        rest = {k: absolute(v) if self.expand(k)[0] in self.paths else v for k, v in rest.items()}
+        updated = self if not model else dataclasses.replace(self, model=self.model.override(model))
+        return Config.override(updated, rest) if rest else updated
+
+    def training_dict(self) -> dict[str, Any]:
+        """config.json's "training": every setting but the model's (stored beside it, whole)."""
+        return {k: v for k, v in self.to_dict().items() if k != "model"}
+
+    @classmethod
+    def from_stored(cls: type[R], stored: Mapping[str, Any]) -> R:
+        """A run's config from its config.json (the "training" and "model" entries; flat ones of earlier versions)."""
+        training = dict(stored["training"])
+        if "optim" not in training:
+            training = cls._from_flat(training)
+        return cls.from_dict({**training, "model": stored["model"]})
+
+    @classmethod
+    def _from_flat(cls, flat: Mapping[str, Any]) -> dict[str, Any]:
+        """A flat run config (each setting under its flag's name) as nested sections."""
+        flags, nested = cls.flags(), {}
+        # Muon's iterations were the task's then, not a setting: the language model's 4, every other task's 5.
+        flat = {"newton_schulz_steps": 4 if cls.task == "lm" else 5, **flat}
+        for key, value in flat.items():
+            if key == "model" or (key.startswith("lora_") and flat.get("lora_rank") is None):
+                continue  # the whole model is stored beside it; a run without adapters has no LoRA section
+            if key not in flags:
+                raise QkvError(f"unknown {cls.task or 'training'} setting {key!r} in a stored run config")
+            if key == "lora_targets" and isinstance(value, str):
+                value = [t.strip() for t in value.split(",") if t.strip()]
+            *parents, leaf = flags[key].split(".")
+            place = nested
+            for part in parents:
+                place = place.setdefault(part, {})
+            place[leaf] = value
+        return nested
+
+    @classmethod
+    def resume(cls: type[R], stored: Mapping[str, Any], settings: Mapping[str, Any]) -> R:
+        """The stored run's config with `settings` (given on resume) laid over it; what it trains may not change."""
+        kept = cls.from_stored(stored)
+        resumed = kept.override({**settings, "checkpoint.resume": True})
+        fixed = {path for _, path, f, _ in setting_fields(cls) if f.metadata.get("fixed")}
+        for flag, path in cls.flags().items():
+            if path in fixed and _at(resumed, path) != _at(kept, path):
+                raise QkvError(f"--{flag.replace('_', '-')} cannot change on --resume (the run has {path}="
+                               f"{_at(kept, path)!r}); drop it")  # fmt: skip
+        if resumed.model != kept.model:
+            before = dict(kept.model.leaves())
+            changed = next(p for p, v in resumed.model.leaves() if before.get(p) != v)
+            raise QkvError(f"--model cannot change on --resume (the run has {changed}={before.get(changed)!r}); "
+                           "drop it")  # fmt: skip
+        return resumed
+
+
+def setting_fields(cls: type[Config], path: str = "",
+                   prefix: str = "") -> Iterator[tuple[str, str, dataclasses.Field[Any], Any]]:  # fmt: skip
+    """(flag, dotted path, field, type hint) of every setting of a config class, walking into its sections (not into
+    the model)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name == "model":
+            continue
+        hint = hints[f.name]
+        section = next((h for h in typing.get_args(hint) or (hint,) if isinstance(h, type) and issubclass(h, Config)),
+                       None)  # fmt: skip
+        where = f"{path}.{f.name}" if path else f.name
+        if section is not None:
+            inner = f"{f.metadata['prefix']}_" if f.metadata.get("prefix") else ""
+            yield from setting_fields(section, where, prefix + inner)
+        else:
+            yield prefix + (f.metadata.get("flag") or f.name), where, f, hint
+
+
+def _at(cfg: object, path: str) -> Any:
+    """A setting by dotted path (None inside an absent section)."""
+    for part in path.split("."):
+        cfg = getattr(cfg, part, None)
+    return cfg
 
 
 def absolute(path: str | None) -> str | None:
     """A data file's absolute path, so that eval and resume find it from any directory (None stays None)."""
     return None if path is None else str(Path(path).expanduser().resolve())
-
-
-def positive_int(cfg: RunConfig, name: str) -> None:
-    """Refuse a setting that is not a positive integer, naming it as the command line does."""
-    value = getattr(cfg, name)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise QkvError(f"{dashed(name)} must be a positive integer, got {value!r}")

@@ -99,38 +99,41 @@ MEMORY_ADVICE = ("lower --batch-size (raising --grad-accum keeps the examples pe
                  "add --activation-checkpointing (a checkpoint the run saved is kept)")
 
 
-def default_run_dir(task: type[Task], cfg: RunConfig) -> Path:
+def default_run_dir(task: type[Task], cfg: RunConfig[Any]) -> Path:
     """runs/<the task's run name>-<date>-<time>."""
     return Path("runs") / f"{task.run_name(cfg)}-{datetime.now():%Y%m%d-%H%M%S}"
 
 
-def fit(task: type[Task], cfg: RunConfig, verbose: bool = True, hooks: Hooks | None = None) -> TrainResult:
-    """Train `task` as `cfg` says, on this process (and its peers under torchrun); returns the result."""
-    stored = stored_run(task, cfg) if cfg.resume else None  # the config.json of the run to continue
-    if stored is not None:
-        cfg = cfg.resumed_from(stored["training"])  # its settings, with the ones given laid over them
-    with distributed.process_group(resolve_device(cfg.device), cfg.strategy, cfg.dist_timeout) as ctx:
+def fit(task: type[Task], cfg: RunConfig[Any], verbose: bool = True, hooks: Hooks | None = None) -> TrainResult:
+    """Train `task` as `cfg` says, on this process (and its peers under torchrun); returns the result.
+
+    A resumed run's cfg is its stored config with the settings given on resume over it (qkv.tasks.resumed).
+    """
+    stored = stored_run(task, cfg) if cfg.checkpoint.resume else None  # the config.json of the run to continue
+    system = cfg.system
+    with distributed.process_group(resolve_device(system.device), system.strategy, system.dist_timeout) as ctx:
         if ctx.device.type == "cpu":
             keep_freed_memory()
-        run_dir = Path(cfg.out_dir) if cfg.out_dir else Path(distributed.agree(str(default_run_dir(task, cfg)), ctx))
-        refusal = new_run_refusal(run_dir) if not cfg.resume and ctx.rank == 0 else ""
+        out_dir = cfg.checkpoint.out_dir
+        run_dir = Path(out_dir) if out_dir else Path(distributed.agree(str(default_run_dir(task, cfg)), ctx))
+        refusal = new_run_refusal(run_dir) if stored is None and ctx.rank == 0 else ""
         if refusal := distributed.agree(refusal, ctx):  # decided once: rank 0 may start writing the run first
             raise QkvError(refusal)
-        cfg.dtype = resolve_dtype(cfg.dtype, ctx.device)  # stored resolved: the run says what it trained in
-        with cpu_threads(cfg.cpu_threads, ctx.device), matmul_precision(ctx.device, cfg.dtype), \
+        cfg = cfg.override({"system.dtype": resolve_dtype(system.dtype, ctx.device)})  # the run says what it used
+        with cpu_threads(system.cpu_threads, ctx.device), matmul_precision(ctx.device, cfg.system.dtype), \
                 out_of_memory_advice(ctx.device, MEMORY_ADVICE):  # fmt: skip
-            trained = task.for_config(cfg)(cfg, stored["model"] if stored else None)
-            return _Trainer(trained, cfg, run_dir, ctx, verbose, hooks or Hooks(), stored).run()
+            return _Trainer(task(cfg), run_dir, ctx, verbose, hooks or Hooks(), stored).run()
 
 
-def stored_run(task: type[Task], cfg: RunConfig) -> dict[str, Any]:
+def stored_run(task: type[Task], cfg: RunConfig[Any]) -> dict[str, Any]:
     """The config.json of the run that cfg resumes, which must be a run of this task."""
-    if not cfg.out_dir:
+    out_dir = cfg.checkpoint.out_dir
+    if not out_dir:
         raise QkvError("--resume needs --out-dir: the run directory to continue")
-    stored = read_run_config(Path(cfg.out_dir))
+    stored = read_run_config(Path(out_dir))
     if stored["task"] != task.name:
-        raise QkvError(f"{cfg.out_dir} holds a {stored['task']} run; continue it with `qkv train {stored['task']} "
-                       f"--resume --out-dir {cfg.out_dir}`")  # fmt: skip
+        raise QkvError(f"{out_dir} holds a {stored['task']} run; continue it with `qkv train {stored['task']} "
+                       f"--resume --out-dir {out_dir}`")  # fmt: skip
     return stored
 
 
@@ -152,43 +155,48 @@ def split(examples: Sequence[Any], parts: int) -> list[Sequence[Any]]:
 class _Trainer:
     """One training run on this process: the model, its optimiser and the loop's state."""
 
-    def __init__(self, task: Task, cfg: RunConfig, run_dir: Path, ctx: distributed.DistContext, verbose: bool,
-                 hooks: Hooks, stored: dict[str, Any] | None) -> None:  # fmt: skip
-        self.task, self.cfg, self.run_dir, self.ctx, self.hooks = task, cfg, run_dir, ctx, hooks
+    def __init__(self, task: Task, run_dir: Path, ctx: distributed.DistContext, verbose: bool, hooks: Hooks,
+                 stored: dict[str, Any] | None) -> None:  # fmt: skip
+        self.task, self.run_dir, self.ctx, self.hooks = task, run_dir, ctx, hooks
         self.stored = stored  # a resumed run's config.json
-        torch.manual_seed(cfg.seed)  # the same seed on every rank: the same initial weights
-        random.seed(cfg.seed)  # and Python's and NumPy's generators, which a checkpoint saves, for hooks that draw
-        np.random.seed(cfg.seed % 2**32)
-        task.setup(run_dir, cfg.resume)
+        seed, resume = task.cfg.system.seed, stored is not None
+        torch.manual_seed(seed)  # the same seed on every rank: the same initial weights
+        random.seed(seed)  # and Python's and NumPy's generators, which a checkpoint saves, for hooks that draw
+        np.random.seed(seed % 2**32)
+        task.setup(run_dir, resume)
+        self.cfg = cfg = task.cfg  # as the task resolved it (a chat run's block size comes from its checkpoint)
         prepared = prepare(task, cfg, ctx, hooks.on_model)
         self.model, self.train_model, self.loss_of, self.frozen = (prepared.model, prepared.train_model,
                                                                    prepared.loss_of, prepared.frozen)  # fmt: skip
         self.pending: PendingSave | None = None  # a checkpoint being written in the background
-        self.optimizer = make_optimizer(self.model, cfg)  # after wrapping: FSDP replaces the parameters
-        self.schedule = LRSchedule(cfg.lr, min(cfg.warmup_steps, cfg.max_steps), cfg.max_steps, cfg.final_lr,
-                                   cfg.schedule)  # fmt: skip
-        self.data_gen = torch.Generator().manual_seed(cfg.seed)
-        self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.dtype == "float16")
-        self.state = _Progress(global_batch=cfg.batch_size * ctx.world_size)  # examples per micro-batch, all ranks
+        self.optimizer = make_optimizer(self.model, cfg.optim)  # after wrapping: FSDP replaces the parameters
+        schedule = cfg.schedule
+        self.schedule = LRSchedule(cfg.optim.lr, min(schedule.warmup_steps, schedule.max_steps), schedule.max_steps,
+                                   cfg.final_lr, schedule.decay)  # fmt: skip
+        self.data_gen = torch.Generator().manual_seed(seed)
+        self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.system.dtype == "float16")
+        self.state = _Progress(global_batch=cfg.data.batch_size * ctx.world_size)  # per micro-batch, all ranks
         if hooks.evaluate:
             run_dir.mkdir(parents=True, exist_ok=True)
-        if cfg.resume:
+        if resume:
             self._restore()
         if ctx.is_main and hooks.evaluate:
             self._write_config()
-        distributed.seed_dropout(cfg.seed, self.state.step, ctx)
+        distributed.seed_dropout(seed, self.state.step, ctx)
         self.metrics = read_metrics(run_dir, self.state.step)
-        self.progress = Progress(cfg.max_steps, enabled=verbose and ctx.is_main)  # rank 0 speaks for the run
+        self.progress = Progress(schedule.max_steps, enabled=verbose and ctx.is_main)  # rank 0 speaks for the run
         self.start = time.monotonic()
         self.last_plot = self.start  # a short run draws loss.png once, at its end
 
     def _write_config(self) -> None:
         """config.json (and the tokenizer) for a new run; for a resumed run, only if its settings changed."""
-        settings = {**self.cfg.to_dict(), "resume": False}
+        settings = self.cfg.override({"checkpoint.resume": False}).training_dict()
         data = self.task.data_summary()
         if self.stored is not None:
-            settings["out_dir"] = self.stored["training"].get("out_dir")
-            if {**self.stored["training"], "resume": False} == settings and self.stored.get("data") == data:
+            stored = self.stored["training"]
+            settings["checkpoint"]["out_dir"] = (stored.get("checkpoint") or {}).get("out_dir")
+            if {**stored, "checkpoint": {**stored.get("checkpoint", {}), "resume": False}} == settings and \
+                    self.stored.get("data") == data:  # fmt: skip
                 return
         else:
             self.task.save(self.run_dir)
@@ -204,7 +212,7 @@ class _Trainer:
         extra = migrate_state(extra)
         self.state = _Progress(extra["step"], extra["tokens_seen"], extra["elapsed_s"],
                                extra["elapsed_s"] - extra["train_s"], extra["best"],
-                               extra.get("global_batch_size", self.cfg.batch_size))  # fmt: skip
+                               extra.get("global_batch_size", self.cfg.data.batch_size))  # fmt: skip
 
     def elapsed(self) -> float:
         """Wall-clock seconds of training, across resumes."""
@@ -221,19 +229,20 @@ class _Trainer:
         described = self.task.describe()
         data = f"{described}, " if described else ""
         tf32 = ", TF32 matmuls" if torch.backends.cuda.matmul.allow_tf32 and self.ctx.device.type == "cuda" else ""
-        precision = "" if self.cfg.dtype == "float32" and not tf32 else f" ({self.cfg.dtype} autocast{tf32})"
+        precision = "" if self.cfg.system.dtype == "float32" and not tf32 else f" ({self.cfg.system.dtype} autocast{tf32})"
         self.progress.log(f"qkv train {self.task.name}: {counted}, {data}device "
                           f"{self.ctx.device}{precision}{layout}, run dir {self.run_dir}")  # fmt: skip
         self.model.train()
         first_step, first_tokens = self.state.step, self.state.tokens_seen
-        if self.state.step >= self.cfg.max_steps:
-            self.progress.log(f"the run is already at step {self.state.step} of --max-steps {self.cfg.max_steps}: "
+        if self.state.step >= self.cfg.schedule.max_steps:
+            self.progress.log(f"the run is already at step {self.state.step} of --max-steps "
+                              f"{self.cfg.schedule.max_steps}: "
                               "nothing to train (raise --max-steps to continue it)")  # fmt: skip
         losses: list[torch.Tensor] = []  # each step's mean loss, on the device: read when shown or averaged
         interrupted = False
-        dynamo = torch._dynamo.config.patch(fail_on_recompile_limit_hit=True) if self.cfg.compile else None
+        dynamo = torch._dynamo.config.patch(fail_on_recompile_limit_hit=True) if self.cfg.system.compile else None
         with deferred_interrupt() as interrupt_requested, dynamo or contextlib.nullcontext():
-            while self.state.step < self.cfg.max_steps:
+            while self.state.step < self.cfg.schedule.max_steps:
                 distributed.crash_for_test(self.state.step, self.ctx)
                 # Checked between steps, so the checkpoint holds whole steps only; all ranks stop at the same one.
                 if distributed.any_rank(interrupt_requested(), self.ctx):
@@ -245,17 +254,17 @@ class _Trainer:
                     losses.append(self._timed_step())
                 if self.pending is not None and self.pending.done():  # a background save finished: commit it
                     self._finish_save()
-                out_of_time = self.cfg.max_time is not None and distributed.any_rank(
-                    self.elapsed() >= self.cfg.max_time, self.ctx
+                out_of_time = self.cfg.schedule.max_time is not None and distributed.any_rank(
+                    self.elapsed() >= self.cfg.schedule.max_time, self.ctx
                 )
                 self._show_progress(losses, first_step, first_tokens)
                 step = self.state.step
-                last = step == self.cfg.max_steps or out_of_time
-                if step % self.cfg.eval_interval == 0 or last:
+                last = step == self.cfg.schedule.max_steps or out_of_time
+                if step % self.cfg.eval.interval == 0 or last:
                     self._evaluate_and_checkpoint(losses, full=last)
                     losses = []
                 if out_of_time:
-                    self.progress.log(f"time budget of {self.cfg.max_time:g} s reached at step {step}")
+                    self.progress.log(f"time budget of {self.cfg.schedule.max_time:g} s reached at step {step}")
                     break
             if interrupted:
                 self._stop_cleanly(losses)
@@ -287,15 +296,15 @@ class _Trainer:
         for i, batch in enumerate(batches):
             # Gradients are averaged across ranks once per step, in the last micro-batch's backward.
             with distributed.gradient_sync(self.train_model, i == len(batches) - 1):
-                with autocast_context(ctx.device, cfg.dtype):
+                with autocast_context(ctx.device, cfg.system.dtype):
                     loss = self.loss_of(batch)
                 # Each micro-batch counts by its share of the step's targets, all ranks together (DDP then
                 # averages over ranks): the mean over every target of the step, however the batch was cut.
                 self.scaler.scale(loss * (batch.n_targets * ctx.world_size / total)).backward()
             loss_sum += loss.detach().to(loss_sum.dtype) * batch.n_targets
-        if cfg.grad_clip > 0:
+        if cfg.optim.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)
-            nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+            nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -305,7 +314,7 @@ class _Trainer:
 
     def _micro_batches(self) -> list[Batch]:
         """This rank's micro-batches of the step: slices micro × world + rank of one global draw."""
-        world, accum = self.ctx.world_size, self.cfg.grad_accum
+        world, accum = self.ctx.world_size, self.cfg.data.grad_accum
         examples = self.task.draw(self.data_gen, self.state.global_batch * accum, world * accum)
         pieces = split(examples, world * accum)
         return [self.task.collate(pieces[m * world + self.ctx.rank], self.ctx.device) for m in range(accum)]
@@ -314,21 +323,21 @@ class _Trainer:
         """Redraw the progress bar: loss, tokens/s and the time left. The loss is read only when the bar is drawn,
         and on a GPU it is the step before the newest: reading that one never leaves the GPU idle while the host
         prepares the next step, as waiting for the newest would."""
-        final = self.state.step >= self.cfg.max_steps
+        final = self.state.step >= self.cfg.schedule.max_steps
         if not self.progress.due(final):
             return
         loss = losses[-2] if self.ctx.device.type == "cuda" and len(losses) > 1 and not final else losses[-1]
         run_time = time.monotonic() - self.start  # this session only: resumed steps were timed before
         steps = self.state.step - first_step
         tokens_per_s = (self.state.tokens_seen - first_tokens) / max(run_time, 1e-9)
-        eta = (self.cfg.max_steps - self.state.step) * run_time / steps
+        eta = (self.cfg.schedule.max_steps - self.state.step) * run_time / steps
         self.progress.update_step(self.state.step, float(loss), tokens_per_s, eta)
 
     def _evaluate(self, full: bool) -> dict[str, float]:
         """The task's evaluation with dropout off, then back to training mode."""
         self.model.eval()
         with torch.no_grad():
-            results = self.task.evaluate(Evaluation(self.model, self.train_model, self.ctx, self.cfg.dtype, full))
+            results = self.task.evaluate(Evaluation(self.model, self.train_model, self.ctx, self.cfg.system.dtype, full))
         self.model.train()
         return results
 
@@ -382,8 +391,8 @@ class _Trainer:
                  "best": s.best, "global_batch_size": s.global_batch}  # fmt: skip
         self.pending = save_checkpoint(self.run_dir, self.model, self.optimizer, extra, {"data": self.data_gen},
                                        self.ctx, frozen=bool(self.frozen),
-                                       asynchronous=self.cfg.async_checkpoint)  # fmt: skip
-        if not self.cfg.async_checkpoint:
+                                       asynchronous=self.cfg.checkpoint.async_save)  # fmt: skip
+        if not self.cfg.checkpoint.async_save:
             self._finish_save()
 
     def _finish_save(self) -> None:

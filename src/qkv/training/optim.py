@@ -17,28 +17,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from qkv.blocks import DecoderLayer, EncoderLayer
+from qkv.training.config import OptimConfig
 
 MUON_MOMENTUM = 0.95
 NEWTON_SCHULZ_STEPS = 5
 NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)  # Jordan's quintic: steepest at 0 while still converging near 1
-
-
-class OptimizerSettings(Protocol):
-    """What make_optimizer reads from a run config."""
-
-    optimizer: str
-    lr: float
-    weight_decay: float
-    beta1: float
-    beta2: float
-    fused_optimizer: bool
 
 
 def orthogonalize(updates: Tensor, steps: int = NEWTON_SCHULZ_STEPS) -> Tensor:
@@ -141,13 +131,13 @@ def block_matrices(model: nn.Module) -> list[nn.Parameter]:
     return list(found.values())
 
 
-def make_optimizer(model: nn.Module, cfg: OptimizerSettings) -> torch.optim.AdamW:
-    """AdamW (decay on matrices only) or, with cfg.optimizer "muon", Muon for the block matrices and AdamW after.
+def make_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW (decay on matrices only) or, with cfg.name "muon", Muon for the block matrices and AdamW after.
 
-    PyTorch's fused AdamW kernel runs where it has one and cfg.fused_optimizer asks.
+    PyTorch's fused AdamW kernel runs where it has one and cfg.fused asks.
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    muon = block_matrices(model) if cfg.optimizer == "muon" else []
+    muon = block_matrices(model) if cfg.name == "muon" else []
     taken = {id(p) for p in muon}
     adamw = [p for p in params if id(p) not in taken]
     groups: list[dict[str, Any]] = [
@@ -157,9 +147,9 @@ def make_optimizer(model: nn.Module, cfg: OptimizerSettings) -> torch.optim.Adam
     kind: type[torch.optim.AdamW] = torch.optim.AdamW
     if muon:
         groups.insert(0, {"params": muon, "weight_decay": cfg.weight_decay, "muon": True, "momentum": MUON_MOMENTUM,
-                          "ns_steps": getattr(cfg, "newton_schulz_steps", NEWTON_SCHULZ_STEPS)})  # fmt: skip
+                          "ns_steps": cfg.newton_schulz_steps})  # fmt: skip
         kind = MuonAdamW
-    if cfg.fused_optimizer:
+    if cfg.fused:
         try:
             return kind(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
         except (RuntimeError, TypeError):

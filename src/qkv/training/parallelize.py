@@ -15,8 +15,8 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from qkv.blocks.lora import lora_modules
 from qkv.errors import QkvError
+from qkv.lora import lora_modules
 from qkv.models import QkvModel
 from qkv.training import distributed, meta_init
 from qkv.training.compiled import compile_layers, step_loss
@@ -35,7 +35,7 @@ class Prepared:
     frozen: set[str]  # a LoRA run's frozen weights, which its checkpoints leave out (its base holds them)
 
 
-def prepare(task: Task, cfg: RunConfig, ctx: distributed.DistContext,
+def prepare(task: Task, cfg: RunConfig[Any], ctx: distributed.DistContext,
             on_model: Callable[[nn.Module], None] | None = None) -> Prepared:  # fmt: skip
     """Build `task`'s model and apply cfg's activation checkpointing, compile and strategy on ctx's device.
 
@@ -43,6 +43,9 @@ def prepare(task: Task, cfg: RunConfig, ctx: distributed.DistContext,
     """
     # Sharded runs build on the meta device and fill each rank's shards after wrapping.
     model, plan = meta_init.build(task.build_model, on_meta=ctx.sharded and on_model is None)
+    lora = task.lora_config()
+    if lora is not None:  # adapters beside the frozen weights, put in from outside the model as the rest below
+        lora.apply(model)
     model = model if plan is not None else model.to(ctx.device)
     frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     frozen = frozen if lora_modules(model) else set()  # any other model saves every tensor, frozen or not
@@ -50,14 +53,15 @@ def prepare(task: Task, cfg: RunConfig, ctx: distributed.DistContext,
         raise QkvError("a run with frozen weights (LoRA) trains on one process or with --strategy ddp, not fsdp")
     if on_model is not None:
         on_model(model)
-    if cfg.activation_checkpointing:
+    system = cfg.system
+    if system.activation_checkpointing:
         checkpoint_layers(model)
-    if cfg.compile and ctx.enabled:  # per layer, so that DDP's and FSDP's communication stays outside the graphs
+    if system.compile and ctx.enabled:  # per layer, so that DDP's and FSDP's communication stays outside the graphs
         compile_layers(model, task.dynamic_shapes)
-    train_model = distributed.wrap_model(model, ctx, cfg.dtype)  # DDP around it, or sharded in place
+    train_model = distributed.wrap_model(model, ctx, system.dtype)  # DDP around it, or sharded in place
     if plan is not None:
         meta_init.materialise(model, plan, ctx.device)
-    loss_of = step_loss(task, model, train_model, cfg.compile, per_layer=ctx.enabled)
-    if cfg.compile and not ctx.enabled:  # evaluation's graph of the model (training's holds the loss too)
+    loss_of = step_loss(task, model, train_model, system.compile, per_layer=ctx.enabled)
+    if system.compile and not ctx.enabled:  # evaluation's graph of the model (training's holds the loss too)
         train_model = cast(nn.Module, torch.compile(model, fullgraph=True, dynamic=task.dynamic_shapes))
     return Prepared(model, train_model, loss_of, frozen)

@@ -20,7 +20,8 @@ import torch
 from torch import Tensor, nn
 
 from qkv.io.devices import autocast_context
-from qkv.models import QkvConfig, QkvModel, build_model
+from qkv.lora import LoRAConfig
+from qkv.models import QkvConfig
 from qkv.tokenizers import Tokenizer
 from qkv.training.config import RunConfig
 
@@ -89,39 +90,30 @@ class Task(ABC):
     higher_is_better: ClassVar[bool] = False
     dynamic_shapes: ClassVar[bool] = False  # batch shapes vary: torch.compile must not specialise on them
 
-    def __init__(self, cfg: RunConfig, stored_model: dict[str, Any] | None = None) -> None:
+    def __init__(self, cfg: RunConfig[Any]) -> None:
         self.cfg = cfg
-        self.stored_model = stored_model  # a resumed run's own model config (config.json's "model")
         self.tokenizer: Tokenizer | None = None  # tasks with a fixed vocabulary have none
 
     @classmethod
-    def run_name(cls, cfg: RunConfig) -> str:
+    def run_name(cls, cfg: RunConfig[Any]) -> str:
         """The default run directory's name, before its timestamp."""
         return cls.name
-
-    @classmethod
-    def for_config(cls, cfg: RunConfig) -> type[Task]:
-        """The class that trains `cfg`: this one, or a variant for the data it names (the language model's chat)."""
-        return cls
 
     @abstractmethod
     def setup(self, run_dir: Path, resume: bool) -> None:
         """Prepare the data and the tokenizer (on resume, the run's own tokenizer from run_dir)."""
 
     @abstractmethod
-    def new_model_config(self) -> QkvConfig:
-        """The model config of a new run: the run config's `model` fields and what the task decides (vocabulary, …)."""
-
     def model_config(self) -> QkvConfig:
-        """The model's config: a resumed run's stored one (whatever today's defaults are), else a new one."""
-        if self.stored_model is not None:
-            stored: QkvConfig = self.cfg.model_config.from_dict(self.stored_model)  # type: ignore[assignment]
-            return stored
-        return self.new_model_config()
+        """The model to train: the run config's, with what the task decides filled in (vocabulary, context, …)."""
 
-    def build_model(self) -> QkvModel:
+    def build_model(self) -> nn.Module:
         """The model to train, freshly initialised from the global RNG (seeded by the loop)."""
-        return build_model(self.model_config())
+        return self.model_config().build()
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRA adapters the loop puts beside the model's frozen weights (none: every weight trains)."""
+        return None
 
     def describe(self) -> str:
         """The data, for the run's first log line (e.g. '1,017,684 train / 113,076 val tokens, vocab 78')."""

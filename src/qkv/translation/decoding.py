@@ -27,7 +27,7 @@ COVERAGE_PENALTY = 0.0
 
 def default_max_len(src: Tensor, model: Transformer) -> int:
     """Output tokens allowed: 1.5 × the longest source + 10, within the model's positions."""
-    return min(int(src.shape[1] * 1.5) + 10, model.cfg.max_positions - 1)
+    return min(int(src.shape[1] * 1.5) + 10, model.cfg.context_length - 1)
 
 
 def check_penalties(length_penalty: float, coverage_penalty: float) -> None:

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qkv.attention import LatentAttention
+from qkv.config import Config, probability
 from qkv.errors import QkvError
 
 # Every projection of attention and feed-forward, by qkv's module names (qkv.attention, qkv.blocks.feed_forward).
@@ -32,22 +34,21 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "gate", "up", "down
 _REGEX_CHARS = set("*+?[]()|^$\\{}")  # a dot alone is a module path (self_attn.q_proj), not a regex
 
 
-@dataclass(frozen=True)
-class LoRASpec:
+@dataclass(frozen=True, kw_only=True)
+class LoRAConfig(Config):
     """Which Linear layers get adapters, of what rank, with what scale α and what dropout on their input."""
 
     rank: int = 8
-    alpha: float = 16.0
+    alpha: float | None = None  # None = 2 × rank
     dropout: float = 0.0
-    targets: tuple[str, ...] = DEFAULT_TARGETS
+    targets: tuple[str, ...] = DEFAULT_TARGETS  # a plain name matches a module name's last part, a regex the whole
 
-    def __post_init__(self) -> None:
-        """Refuse a rank below 1, a dropout outside [0, 1) and an empty target list, naming the setting."""
-        if not isinstance(self.rank, int) or self.rank < 1:
+    def check(self) -> None:
+        """Refuse a rank below 1, a dropout outside [0, 1), a bad α and an empty or broken target list."""
+        if self.rank < 1:
             raise QkvError(f"--lora-rank must be a positive integer, got {self.rank!r}; try 8")
-        if not 0.0 <= self.dropout < 1.0:
-            raise QkvError(f"--lora-dropout must be in [0, 1), got {self.dropout}")
-        if self.alpha <= 0:
+        probability(self, "dropout")
+        if self.alpha is not None and self.alpha <= 0:
             raise QkvError(f"--lora-alpha must be positive, got {self.alpha}")
         if not self.targets:
             raise QkvError("--lora-targets is empty; name modules, e.g. q_proj,v_proj")
@@ -60,15 +61,24 @@ class LoRASpec:
                                    "names such as q_proj") from None  # fmt: skip
 
     @property
+    def effective_alpha(self) -> float:
+        """α: as given, or 2 × rank."""
+        return 2.0 * self.rank if self.alpha is None else self.alpha
+
+    @property
     def scaling(self) -> float:
         """α / r: the factor on B A x."""
-        return self.alpha / self.rank
+        return self.effective_alpha / self.rank
+
+    def apply(self, model: nn.Module) -> list[str]:
+        """Freeze the model and put adapters beside its target layers (add_lora); returns their names."""
+        return add_lora(model, self)
 
 
 class LoRALinear(nn.Linear):
     """A frozen nn.Linear plus a trainable low-rank update; state-dict names stay the base's (weight, bias)."""
 
-    def __init__(self, base: nn.Linear, spec: LoRASpec) -> None:
+    def __init__(self, base: nn.Linear, spec: LoRAConfig) -> None:
         nn.Module.__init__(self)  # the base's own Parameters are taken over below, not allocated again
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias
@@ -118,12 +128,13 @@ def target_names(model: nn.Module, targets: Iterable[str]) -> list[str]:
     return found
 
 
-def add_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
+def add_lora(model: nn.Module, spec: LoRAConfig) -> list[str]:
     """Freeze every parameter, then put a LoRALinear in place of each target Linear; returns their names."""
     names = target_names(model, spec.targets)
     for name in names:  # layers whose weight is read directly, not called: an adapter there would do nothing
-        if name.endswith("kv_up") and getattr(getattr(model, "cfg", None), "mla_absorb", False):
-            raise QkvError("--lora-targets kv_up: MLA with mla_absorb reads kv_up's weight directly; target others")
+        parent = model.get_submodule(name.rpartition(".")[0])
+        if name.endswith("kv_up") and isinstance(parent, LatentAttention) and parent.absorb:
+            raise QkvError("--lora-targets kv_up: absorbed MLA reads kv_up's weight directly; target others")
         if name.endswith("router"):
             raise QkvError("--lora-targets router: the MoE router's weight is read directly; target others")
     model.requires_grad_(False)
@@ -137,12 +148,6 @@ def add_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
     """The model's LoRA layers by module name (empty: a plain model)."""
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
-
-
-def adapter_state(model: nn.Module) -> dict[str, Tensor]:
-    """The adapters' tensors by state-dict name ({module}.lora_A, {module}.lora_B)."""
-    modules = lora_modules(model).items()
-    return {f"{name}.{part}": getattr(m, part) for name, m in modules for part in ("lora_A", "lora_B")}
 
 
 @torch.no_grad()

@@ -1,0 +1,18 @@
+"""A Hugging Face checkpoint in memory, whatever file it was read from (a directory's safetensors, a GGUF file)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+
+@dataclass
+class Checkpoint:
+    """A Hugging Face checkpoint in memory: config.json, tensors by HF name, and where it came from."""
+
+    config: dict[str, Any]
+    tensors: dict[str, Tensor]
+    source: str
+    tokenizer: Any = field(default=None, repr=False)  # a `tokenizers.Tokenizer` when the source carries one
