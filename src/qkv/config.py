@@ -15,7 +15,6 @@ config (qkv.training.config). What this base class gives every config:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import types
 import typing
 from collections.abc import Iterator, Mapping
@@ -24,7 +23,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 from qkv.errors import QkvError
 
 C = TypeVar("C", bound="Config")
-V = TypeVar("V", bound=type)
+K = TypeVar("K", bound="Config")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,7 +43,7 @@ class Config:
         """The config's own rules, raising a QkvError that names the field (none by default)."""
 
     @classmethod
-    def register(cls, variant: V) -> V:
+    def register(cls, variant: type[K]) -> type[K]:
         """Make `variant` (a subclass with a `kind`) one of the kinds of this config: a class decorator."""
         if "variants" not in cls.__dict__:
             raise TypeError(f"{cls.__name__} does not come in kinds")
@@ -108,11 +107,15 @@ def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
-@functools.cache
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
 def _hints(cls: type) -> dict[str, Any]:
-    """A config class's fields and their resolved type hints, in declaration order."""
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    """A config class's fields and their resolved type hints, in declaration order (worked out once per class)."""
+    if cls not in _HINTS:
+        hints = typing.get_type_hints(cls)
+        _HINTS[cls] = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    return _HINTS[cls]
 
 
 def _kinds_of(cls: type) -> dict[str, type[Config]] | None:

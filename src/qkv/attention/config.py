@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from qkv.attention.cache import KVCache
 from qkv.config import Config, positive, probability
@@ -18,7 +18,7 @@ from qkv.errors import QkvError
 
 
 class SelfAttention(Protocol):
-    """What a block asks of its self-attention module, whatever its kind."""
+    """What a block asks of its self-attention module (an nn.Module that build() makes), whatever its kind."""
 
     def __call__(self, x: Tensor, context: Tensor | None = None, mask: Tensor | None = None, causal: bool = False,
                  cache: KVCache | None = None, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:  # fmt: skip
@@ -56,6 +56,7 @@ class AttentionConfig(Config):
         """The dims of each query and key that rotary positions turn: the whole head."""
         return self.head_dim(d_model)
 
-    def build(self, d_model: int, index: int = 0) -> SelfAttention:
+    def build(self, d_model: int, index: int = 0) -> nn.Module:
         """The attention module of layer `index` in a stack of width d_model."""
-        raise QkvError(f"{type(self).__name__} builds nothing itself; use one of its kinds: {', '.join(self.variants or {})}")
+        kinds = ", ".join(self.variants or {})
+        raise QkvError(f"{type(self).__name__} builds nothing itself; use one of its kinds: {kinds}")

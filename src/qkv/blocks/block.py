@@ -9,11 +9,12 @@ and which feed-forward a layer has is its BlockConfig's to say, whatever model t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 from torch import Tensor, nn
 
 from qkv.attention import AttentionConfig, KVCache, LayerCache, MultiHeadAttentionConfig
+from qkv.attention.config import SelfAttention
 from qkv.blocks.feed_forward import FeedForwardConfig
 from qkv.blocks.residual import ResidualNorm
 from qkv.config import Config, probability
@@ -83,7 +84,7 @@ class DecoderLayer(nn.Module):
 
     def new_cache(self, capacity: int = 256) -> LayerCache:
         """This layer's empty cache: its self-attention's own kind (latent for MLA), and a cross-attention K/V."""
-        return LayerCache(self.self_attn.new_cache(capacity), KVCache(capacity))
+        return LayerCache(cast(SelfAttention, self.self_attn).new_cache(capacity), KVCache(capacity))
 
     def forward(
         self,

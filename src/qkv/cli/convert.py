@@ -77,9 +77,8 @@ def _metadata(directory: Path) -> dict[str, Any]:
 
 def _read(src: Path, base: str | None = None) -> _Source:
     """Read SRC once (a GGUF file is dequantised here): a Hugging Face checkpoint, or a qkv directory."""
-    from qkv.finetune import peft_model
+    from qkv.finetune import load_lm_dir, peft_model
     from qkv.finetune.peft import ADAPTER_CONFIG
-    from qkv.finetune import load_lm_dir
     from qkv.interop import family_of, from_hf, marian, read_checkpoint, read_marian_tokenizer, tokenizer_from_hf
     from qkv.interop.marian_tokenizer import read_tokenizer
     from qkv.interop.qkv_dir import is_qkv_dir

@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from qkv.training import RunConfig
 
 # Short options for common model settings: (name, help); a model config takes each as a short path.
-SHORTCUTS = (("n_layers", "layers"), ("d_model", "model width"),
-             ("n_heads", "attention heads"), ("dropout", "dropout probability (every dropout of the model)"))  # fmt: skip
+SHORTCUTS = (("n_layers", "layers"), ("d_model", "model width"), ("n_heads", "attention heads"),
+             ("dropout", "dropout probability (every dropout of the model)"))  # fmt: skip
 
 
 def register(sub: Any) -> None:
@@ -111,7 +111,7 @@ def _options(cls: type[RunConfig[Any]]) -> list[tuple[str, str, dataclasses.Fiel
 
     shared = {f.name for f in dataclasses.fields(RunConfig)}
     options = list(setting_fields(cls))
-    return [o for o in options if o[1].split(".")[0] not in shared] + [o for o in options if o[1].split(".")[0] in shared]
+    return sorted(options, key=lambda o: o[1].split(".")[0] in shared)  # the task's own first (the sort is stable)
 
 
 def _epilog(task: str) -> str | None:

@@ -83,7 +83,7 @@ def text_bpb(model: DecoderLM, tokenizer: Tokenizer, source: Path | None, block_
         tokens, what = data.split("val"), f"{source}'s validation split"
     else:
         tokens, what = _encode(tokenizer, read_text(Path(source))), str(source)
-    rows = eval_rows(batch_size, block_size, model.cfg.vocab_size)
+    rows = eval_rows(batch_size, block_size, model.embed.vocab_size)
     training = model.training
     model.eval()  # dropout off: the score of the model, not of one draw of its dropout masks
     try:

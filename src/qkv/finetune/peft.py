@@ -107,7 +107,8 @@ def load_peft(model: nn.Module, directory: str | Path) -> LoRAConfig:
                            "another architecture; load it onto the base it was trained on")  # fmt: skip
         found.setdefault(module, {})[match["part"]] = tensor
     rank = int(config["r"])
-    spec = LoRAConfig(rank=rank, alpha=float(config.get("lora_alpha", 8)), dropout=float(config.get("lora_dropout", 0.0)),
+    spec = LoRAConfig(rank=rank, alpha=float(config.get("lora_alpha", 8)),
+                      dropout=float(config.get("lora_dropout", 0.0)),
                       targets=tuple(re.escape(m) for m in sorted(found)))  # fmt: skip
     add_lora(model, spec)
     for name, m in lora_modules(model).items():

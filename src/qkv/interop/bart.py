@@ -134,7 +134,7 @@ def seq2seq_export_problems(cfg: TransformerConfig) -> list[str]:
         problems += plain_stack_problems(cfg, side)
     if problems:
         return problems
-    wanted = {"share_embeddings": True, "embedding.type_vocab_size": 0}
+    wanted: dict[str, object] = {"share_embeddings": True, "embedding.type_vocab_size": 0}
     for side in cfg.stacks:
         wanted |= {f"{side}.block.norm.kind": "layer", f"{side}.block.norm.eps": 1e-5, f"{side}.block.norm.bias": True,
                    f"{side}.block.norm_placement": "post", f"{side}.final_norm": False,

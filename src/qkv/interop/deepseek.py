@@ -61,6 +61,7 @@ def config_from_hf(hf: dict[str, Any], tensor_names: Collection[str] = ()) -> De
     block = BlockConfig(attention=_latent(hf, n_heads), ffn=dense, norm=NormConfig(kind="rms", eps=hf_value(
                         hf, "rms_norm_eps", NAME, 1e-6), bias=False), norm_placement="pre", dropout=0.0)  # fmt: skip
     n_layers, layers = hf_value(hf, "num_hidden_layers", NAME), ()
+    base = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     if hf.get("n_routed_experts"):  # the first first_k_dense_replace layers keep a dense feed-forward
         layers = (block,) * min(n_layers, hf.get("first_k_dense_replace") or 0)
         block = dataclasses.replace(block, ffn=_moe(hf))
@@ -68,8 +69,7 @@ def config_from_hf(hf: dict[str, Any], tensor_names: Collection[str] = ()) -> De
         vocab_size=hf_value(hf, "vocab_size", NAME),
         d_model=hf_value(hf, "hidden_size", NAME),
         max_positions=hf_value(hf, "max_position_embeddings", NAME),
-        embedding=EmbeddingConfig(positions=RotaryPositionsConfig(base=float(rope.get("rope_theta", hf.get(
-                                  "rope_theta", 10000.0)))), dropout=0.0),  # fmt: skip
+        embedding=EmbeddingConfig(positions=RotaryPositionsConfig(base=base), dropout=0.0),
         decoder=StackConfig(n_layers=n_layers, block=block, layers=layers, final_norm=True),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )

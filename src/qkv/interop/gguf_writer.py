@@ -127,13 +127,13 @@ def save_gguf(
         raise QkvError(f"GGUF dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     gguf = require("gguf", "hf", "writing .gguf files")
     pre_name = _pre_tokenizer(tokenizer, pre)
-    ids = _token_ids(tokenizer, token_ids, model.cfg.vocab_size)
+    ids = _token_ids(tokenizer, token_ids, model.embed.vocab_size)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:  # a reader (or a crash) never sees half a file
         writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
         _add_metadata(writer, model.cfg, dtype, name)
-        _add_tokenizer(writer, tokenizer, model.cfg.vocab_size, pre_name, ids, chat_template)
+        _add_tokenizer(writer, tokenizer, model.embed.vocab_size, pre_name, ids, chat_template)
         for hf_name, array in _tensors(model, dtype):
             writer.add_tensor(_gguf_name(hf_name), array)
         writer.write_header_to_file()

@@ -44,11 +44,12 @@ def config_from_hf(hf: dict[str, Any], tensor_names: Collection[str]) -> Decoder
     if hf.get("add_cross_attention"):
         raise unsupported(NAME, "add_cross_attention", True)
     d_model, dropout = hf_value(hf, "n_embd", NAME), hf_value(hf, "resid_pdrop", NAME, 0.1)
+    activation = activation_from_hf(hf_value(hf, "activation_function", NAME, "gelu_new"), NAME)
     block = BlockConfig(
         attention=MultiHeadAttentionConfig(n_heads=hf_value(hf, "n_head", NAME),
                                            dropout=hf_value(hf, "attn_pdrop", NAME, 0.1)),
-        ffn=FeedForwardConfig(d_ff=hf_value(hf, "n_inner", NAME, 4 * d_model), dropout=0.0,  # none on its hidden layer
-                              activation=activation_from_hf(hf_value(hf, "activation_function", NAME, "gelu_new"), NAME)),
+        ffn=FeedForwardConfig(d_ff=hf_value(hf, "n_inner", NAME, 4 * d_model), activation=activation,
+                              dropout=0.0),  # GPT-2 drops none of its MLP's hidden layer
         norm=NormConfig(eps=hf_value(hf, "layer_norm_epsilon", NAME, 1e-5)),
         norm_placement="pre",
         dropout=dropout,

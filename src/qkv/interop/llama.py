@@ -50,10 +50,10 @@ def config_from_hf(hf: dict[str, Any], tensor_names: Collection[str]) -> Decoder
     head_dim = hf_value(hf, "head_dim", NAME, d_model // n_heads)
     if head_dim * n_heads != d_model:  # qkv's heads split d_model evenly
         raise unsupported(NAME, "head_dim", head_dim)
-    attention_bias = bool(hf.get("attention_bias", False))
+    attention_bias, kv_heads = bool(hf.get("attention_bias", False)), hf_value(hf, "num_key_value_heads", NAME, n_heads)
     block = BlockConfig(
-        attention=MultiHeadAttentionConfig(n_heads=n_heads, n_kv_heads=hf_value(hf, "num_key_value_heads", NAME, n_heads),
-                                           bias=attention_bias, dropout=hf_value(hf, "attention_dropout", NAME, 0.0)),
+        attention=MultiHeadAttentionConfig(n_heads=n_heads, n_kv_heads=kv_heads, bias=attention_bias,
+                                           dropout=hf_value(hf, "attention_dropout", NAME, 0.0)),
         ffn=FeedForwardConfig(d_ff=hf_value(hf, "intermediate_size", NAME), activation="swiglu",
                               bias=bool(hf.get("mlp_bias", False)), dropout=0.0),
         norm=NormConfig(kind="rms", eps=hf_value(hf, "rms_norm_eps", NAME, 1e-6), bias=attention_bias),

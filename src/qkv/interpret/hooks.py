@@ -37,14 +37,15 @@ import fnmatch
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from qkv.attention.record import record_attention
 from qkv.blocks.block import DecoderLayer, EncoderLayer
-from qkv.lora import LoRALinear
 from qkv.errors import QkvError
+from qkv.lora import LoRALinear
 
 Patch = Callable[[Tensor], Tensor]
 # Where an activation is read: a module's input (first positional argument), its output, the input of an
@@ -75,7 +76,8 @@ def hook_sites(model: nn.Module) -> dict[str, Site]:
             continue
         sites[f"{name}.resid_pre"] = Site(layer, _INPUT)
         residual = layer.attn_residual if isinstance(layer, EncoderLayer) else layer.self_residual
-        sublayers = [("attn", "self_attn", layer.self_attn, residual, "resid_mid")]
+        sublayers: list[tuple[str, str, Any, nn.Module, str]] = [("attn", "self_attn", layer.self_attn, residual,
+                                                                  "resid_mid")]  # fmt: skip
         if isinstance(layer, DecoderLayer) and layer.cross_attn is not None and layer.cross_residual is not None:
             sublayers.append(("cross", "cross_attn", layer.cross_attn, layer.cross_residual, "resid_cross"))
         for short, attr, attention, res, after in sublayers:

@@ -78,9 +78,9 @@ def model(model_type: str, flat: dict[str, Any]) -> dict[str, Any]:
         return {"vocab_size": f["vocab_size"], **common, "encoder": {"n_layers": f["n_layers"], **side},
                 "tie_embeddings": f["tie_embeddings"], "pooler": f["pooler"], "mlm_head": f["mlm_head"]}  # fmt: skip
     return {"src_vocab_size": f["src_vocab_size"], "tgt_vocab_size": f["tgt_vocab_size"], **common,
-            "encoder": {"n_layers": f["n_encoder_layers"], **side}, "decoder": {"n_layers": f["n_decoder_layers"], **side},
-            "share_embeddings": f["share_embeddings"], "tie_embeddings": f["tie_embeddings"], "pad_id": f["pad_id"],
-            "output_bias": f["output_bias"]}  # fmt: skip
+            "encoder": {"n_layers": f["n_encoder_layers"], **side},
+            "decoder": {"n_layers": f["n_decoder_layers"], **side}, "share_embeddings": f["share_embeddings"],
+            "tie_embeddings": f["tie_embeddings"], "pad_id": f["pad_id"], "output_bias": f["output_bias"]}  # fmt: skip
 
 
 def is_flat(data: dict[str, Any]) -> bool:
@@ -102,7 +102,8 @@ def _block(f: dict[str, Any]) -> dict[str, Any]:
         attention = {"kind": "mla", **attention, **{k: f[k] for k in mla}, "absorb": f.get("mla_absorb", False)}
     else:
         attention = {"kind": "mha", **attention, "n_kv_heads": f.get("n_kv_heads")}
-    ffn = {"kind": "dense", "d_ff": f["d_ff"], "activation": f["activation"], "bias": f["bias"], "dropout": f["dropout"]}
+    ffn = {"kind": "dense", "d_ff": f["d_ff"], "activation": f["activation"], "bias": f["bias"],
+           "dropout": f["dropout"]}
     return {"attention": attention, "ffn": ffn, "norm": _norm(f), "norm_placement": f["norm_placement"],
             "dropout": f["dropout"]}  # fmt: skip
 

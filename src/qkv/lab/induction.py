@@ -321,8 +321,8 @@ def induction(length: int = 25, min_length: int = 10, vocab: int = 128, steps: i
     with tempfile.TemporaryDirectory(prefix="qkv-lab-induction-") as tmp, torch.random.fork_rng():
         settings = {f"model.{k}": v for k, v in (model or {}).items()}
         cfg = recipe().override({**settings, "length": length, "min_length": min_length, "vocab": vocab,
-                                 "batch_size": batch_size, "max_steps": steps, "eval_interval": math.ceil(steps / evals),
-                                 "seed": seed, "out_dir": str(Path(tmp) / "run")})  # fmt: skip
+                                 "batch_size": batch_size, "max_steps": steps, "seed": seed,
+                                 "eval_interval": math.ceil(steps / evals), "out_dir": str(Path(tmp) / "run")})
         models: list[Any] = []
         trained = fit(InductionTask, cfg, verbose=verbose, hooks=Hooks(on_model=models.append))  # trains it in place
     task, network = trained.trained, models[0]

@@ -37,6 +37,13 @@ def model_type_of(model: nn.Module) -> str:
     raise QkvError(f"{type(model).__name__} is not a qkv model")
 
 
+def config_of(model: nn.Module) -> QkvConfig:
+    """A qkv model's config."""
+    if not isinstance(model, (DecoderLM, EncoderModel, Transformer)):
+        raise QkvError(f"{type(model).__name__} is not a qkv model")
+    return model.cfg
+
+
 def config_from_dict(model_type: str, data: dict[str, object]) -> QkvConfig:
     """A model config from config.json's model_type and model entries (flat ones of earlier versions too)."""
     if model_type not in MODEL_TYPES:
@@ -61,5 +68,6 @@ __all__ = [
     "TransformerConfig",
     "build_model",
     "config_from_dict",
+    "config_of",
     "model_type_of",
 ]

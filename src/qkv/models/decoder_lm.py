@@ -55,7 +55,7 @@ class DecoderLM(nn.Module):
         require_vocab(cfg, "vocab_size")
         assert cfg.vocab_size is not None
         self.cfg = cfg
-        self.embed = Embeddings(cfg.embedding, cfg.vocab_size, cfg.d_model, cfg.max_positions, cfg.rotary_dim())
+        self.embed = Embeddings(cfg.embedding, cfg.vocab_size, cfg.d_model, cfg.context_length, cfg.rotary_dim())
         self.decoder = Decoder(cfg.decoder, cfg.d_model, cross_attention=False)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         init_normal_(self, std=0.02, residual_std=0.02 / math.sqrt(2 * cfg.decoder.n_layers))

@@ -54,11 +54,12 @@ class Embeddings(nn.Module):
         self.vocab_size, self.max_positions = vocab_size, max_positions
         self.tokens = nn.Embedding(vocab_size, d_model)
         self.scale = math.sqrt(d_model) if cfg.scale else 1.0
-        built = cfg.positions.build(d_model, max_positions, rotary_dim)
-        self.positions = built if isinstance(built, (LearnedPositionalEmbedding, SinusoidalPositionalEncoding)) else None
+        built = cfg.positions.build(d_model, max_positions, rotary_dim)  # added to the embeddings, or RoPE's tables
+        added = (LearnedPositionalEmbedding, SinusoidalPositionalEncoding)
+        self.positions = built if isinstance(built, added) else None
         self.rotary = built if isinstance(built, RotaryEmbedding) else None
-        learned = isinstance(cfg.positions, LearnedPositionsConfig)
-        self.position_offset = cfg.positions.offset if learned else 0  # rows of BART's table no position uses
+        learned = cfg.positions if isinstance(cfg.positions, LearnedPositionsConfig) else None
+        self.position_offset = learned.offset if learned is not None else 0  # rows of BART's table no position uses
         self.token_types = nn.Embedding(cfg.type_vocab_size, d_model) if cfg.type_vocab_size > 0 else None
         self.norm = cfg.norm.build(d_model) if cfg.norm is not None else None
         self.dropout = Dropout(cfg.dropout)

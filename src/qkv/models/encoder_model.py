@@ -95,7 +95,7 @@ class EncoderModel(nn.Module):
         require_vocab(cfg, "vocab_size")
         assert cfg.vocab_size is not None
         self.cfg = cfg
-        self.embed = Embeddings(cfg.embedding, cfg.vocab_size, cfg.d_model, cfg.max_positions, cfg.rotary_dim())
+        self.embed = Embeddings(cfg.embedding, cfg.vocab_size, cfg.d_model, cfg.context_length, cfg.rotary_dim())
         self.encoder = Encoder(cfg.encoder, cfg.d_model)
         self.pooler = nn.Linear(cfg.d_model, cfg.d_model) if cfg.pooler else None
         last = cfg.encoder.blocks()[-1]

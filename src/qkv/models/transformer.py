@@ -74,7 +74,7 @@ class Transformer(nn.Module):
         require_vocab(cfg, "src_vocab_size", "tgt_vocab_size")
         assert cfg.src_vocab_size is not None and cfg.tgt_vocab_size is not None
         self.cfg = cfg
-        d, n = cfg.d_model, cfg.max_positions
+        d, n = cfg.d_model, cfg.context_length
         self.src_embed = Embeddings(cfg.embedding, cfg.src_vocab_size, d, n, cfg.rotary_dim("encoder"))
         self.tgt_embed = Embeddings(cfg.embedding, cfg.tgt_vocab_size, d, n, cfg.rotary_dim("decoder"))
         if cfg.share_embeddings:

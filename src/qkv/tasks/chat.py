@@ -119,8 +119,8 @@ class ChatTask(FinetuneTask):
         """The conversation file read, its sha256, and what was kept of it."""
         assert self.cfg.source is not None
         s = self.splits
-        return {"chat": self.cfg.source, "sha256": file_sha256(Path(self.cfg.source)), "train_conversations": len(s.train),
-                "val_conversations": len(s.val), "dropped": s.dropped}  # fmt: skip
+        return {"chat": self.cfg.source, "sha256": file_sha256(Path(self.cfg.source)),
+                "train_conversations": len(s.train), "val_conversations": len(s.val), "dropped": s.dropped}
 
     def draw(self, generator: torch.Generator, budget: int, parts: int) -> torch.Tensor:
         """`budget` training conversations drawn at random."""

@@ -289,7 +289,7 @@ class LMRun(LoadedRun):
         (final_eval_tokens of it, if set), in windows of the training block size: training's last evaluation."""
         options.refuse_beam_options(self.task)
         cfg, val = self.config, self.validation_data()
-        rows = eval_rows(options.batch_size, cfg.window, self.model.cfg.vocab_size or 0)
+        rows = eval_rows(options.batch_size, cfg.window, self.model.embed.vocab_size)
         sums = evaluate_sums(self.model, val, cfg.window, rows, self.device, cfg.final_eval_tokens,
                              token_bytes=token_bytes_of(self.require_tokenizer()))  # fmt: skip
         loss, bpb = sums.mean, _bpb(sums).get("val_bpb")
@@ -302,7 +302,7 @@ class LMRun(LoadedRun):
         """The validation loss training's last evaluation measures: final_eval_tokens of the split, or all of it."""
         cfg = self.config
         val = self.validation_data() if val is None else val
-        rows = eval_rows(batch_size, cfg.window, self.model.cfg.vocab_size or 0)
+        rows = eval_rows(batch_size, cfg.window, self.model.embed.vocab_size)
         return evaluate_loss(self.model, val, cfg.window, rows, self.device, cfg.final_eval_tokens)
 
 

@@ -33,8 +33,9 @@ class TextConfig(RunConfig[M]):
                                 "on first use); none: the embedded Shakespeare corpus", fixed=True,
                                 flag="data")  # fmt: skip
     vocab_size: int = option(1024, "the byte-level BPE vocabulary's size (bpe tokenizers only)", fixed=True)
-    block_size: int | None = option(128, "tokens per window: the context the model trains on (none: the checkpoint's "
-                                    "context, at most 1024, when fine-tuning on conversations)", fixed=True)  # fmt: skip
+    block_size: int | None = option(128, "tokens per window: the context the model trains on (none: the "
+                                    "checkpoint's context, at most 1024, when fine-tuning on conversations)",
+                                    fixed=True)  # fmt: skip
 
     def check(self) -> None:
         """The shared checks, then the text's."""

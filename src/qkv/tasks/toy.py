@@ -67,7 +67,8 @@ def recipe(cls: type[CopyConfig] = CopyConfig) -> CopyConfig:
     side = StackConfig(n_layers=2, block=block)
     model = TransformerConfig(d_model=64, max_positions=64, embedding=EmbeddingConfig(
         positions=SinusoidalPositionsConfig(), scale=True, dropout=0.0), encoder=side, decoder=side)  # fmt: skip
-    return cls(model=model, data=DataConfig(batch_size=64), optim=OptimConfig(beta2=0.98, weight_decay=0.0, fused=False),
+    return cls(model=model, data=DataConfig(batch_size=64),
+               optim=OptimConfig(beta2=0.98, weight_decay=0.0, fused=False),
                schedule=ScheduleConfig(max_steps=300, min_lr=3e-4), eval=EvalConfig(interval=300),
                system=SystemConfig(cpu_threads=1, seed=0))  # fmt: skip
 

@@ -134,7 +134,8 @@ class CheckpointConfig(Config):
     out_dir: str | None = option(None, "run directory (none: runs/<task name>-<date>-<time>)")
     resume: bool = option(False, "continue the run in --out-dir")
     async_save: bool = option(False, "write checkpoints in a background thread while training goes on (the state "
-                              "is first copied to memory; committed when written)", flag="async_checkpoint")  # fmt: skip
+                              "is first copied to memory; committed when written)",
+                              flag="async_checkpoint")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,7 +208,7 @@ class RunConfig(Config, Generic[M]):
     @classmethod
     def _from_flat(cls, flat: Mapping[str, Any]) -> dict[str, Any]:
         """A flat run config (each setting under its flag's name) as nested sections."""
-        flags, nested = cls.flags(), {}
+        flags, nested = cls.flags(), dict[str, Any]()
         # Muon's iterations were the task's then, not a setting: the language model's 4, every other task's 5.
         flat = {"newton_schulz_steps": 4 if cls.task == "lm" else 5, **flat}
         for key, value in flat.items():

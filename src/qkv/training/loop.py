@@ -49,7 +49,7 @@ from qkv.io.run_dir import (
     write_metrics,
     write_run_config,
 )
-from qkv.models import model_type_of
+from qkv.models import config_of, model_type_of
 from qkv.training import distributed
 from qkv.training.checkpoint import PendingSave, has_checkpoint, load_checkpoint, save_checkpoint
 from qkv.training.config import RunConfig
@@ -200,7 +200,7 @@ class _Trainer:
                 return
         else:
             self.task.save(self.run_dir)
-        write_run_config(self.run_dir, self.task.name, model_type_of(self.model), self.model.cfg.to_dict(),
+        write_run_config(self.run_dir, self.task.name, model_type_of(self.model), config_of(self.model).to_dict(),
                          settings, self.task.tokenizer_summary(), data, self.task.base_summary())  # fmt: skip
 
     def _restore(self) -> None:
@@ -229,7 +229,8 @@ class _Trainer:
         described = self.task.describe()
         data = f"{described}, " if described else ""
         tf32 = ", TF32 matmuls" if torch.backends.cuda.matmul.allow_tf32 and self.ctx.device.type == "cuda" else ""
-        precision = "" if self.cfg.system.dtype == "float32" and not tf32 else f" ({self.cfg.system.dtype} autocast{tf32})"
+        dtype = self.cfg.system.dtype
+        precision = "" if dtype == "float32" and not tf32 else f" ({dtype} autocast{tf32})"
         self.progress.log(f"qkv train {self.task.name}: {counted}, {data}device "
                           f"{self.ctx.device}{precision}{layout}, run dir {self.run_dir}")  # fmt: skip
         self.model.train()
@@ -337,7 +338,8 @@ class _Trainer:
         """The task's evaluation with dropout off, then back to training mode."""
         self.model.eval()
         with torch.no_grad():
-            results = self.task.evaluate(Evaluation(self.model, self.train_model, self.ctx, self.cfg.system.dtype, full))
+            ev = Evaluation(self.model, self.train_model, self.ctx, self.cfg.system.dtype, full)
+            results = self.task.evaluate(ev)
         self.model.train()
         return results
 

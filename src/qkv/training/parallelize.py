@@ -17,7 +17,6 @@ from torch import Tensor, nn
 
 from qkv.errors import QkvError
 from qkv.lora import lora_modules
-from qkv.models import QkvModel
 from qkv.training import distributed, meta_init
 from qkv.training.compiled import compile_layers, step_loss
 from qkv.training.config import RunConfig
@@ -29,7 +28,7 @@ from qkv.training.task import Task
 class Prepared:
     """The model as the loop holds it."""
 
-    model: QkvModel  # the task's model (under FSDP its parameters are this rank's shards)
+    model: nn.Module  # the task's model (under FSDP its parameters are this rank's shards)
     train_model: nn.Module  # what evaluation calls: DDP or FSDP around the model, or the compiled model
     loss_of: Callable[[Any], Tensor]  # a micro-batch's training loss, compiled where cfg.compile asks
     frozen: set[str]  # a LoRA run's frozen weights, which its checkpoints leave out (its base holds them)
