@@ -24,7 +24,7 @@ import torch
 
 from qkv import DecoderLM
 from qkv.bench import reset_peak_rss, save_report, status_bytes
-from qkv.config import DecoderLMConfig
+from qkv.models import DecoderLMConfig
 from qkv.training.recompute import checkpoint_layers
 
 SHAPE = {"n_layers": 12, "d_model": 512, "n_heads": 8, "vocab_size": 1024, "positions": "rotary", "norm": "rms",
@@ -34,7 +34,7 @@ SHAPE = {"n_layers": 12, "d_model": 512, "n_heads": 8, "vocab_size": 1024, "posi
 def measure(recompute: bool, t: int, batch: int, device: str) -> dict[str, Any]:
     """Peak extra memory (MiB), seconds of one forward + backward, and the gradients' norm."""
     torch.manual_seed(0)
-    model = DecoderLM(DecoderLMConfig(**SHAPE, max_positions=t)).to(device)
+    model = DecoderLM(DecoderLMConfig.of(**SHAPE, max_positions=t)).to(device)
     if recompute:
         checkpoint_layers(model)
     ids = torch.randint(SHAPE["vocab_size"], (batch, t + 1), generator=torch.Generator().manual_seed(1)).to(device)

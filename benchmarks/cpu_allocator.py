@@ -44,7 +44,7 @@ def median_step_ms(recipe: str, steps: int, keep: bool) -> tuple[float, int]:
 def main(argv: list[str] | None = None) -> float:
     """Alternate the two settings, print the medians, their ratio and the page faults; return the ratio."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("recipe", nargs="?", default="{}", help="a JSON object of TranslateConfig fields")
+    parser.add_argument("recipe", nargs="?", default="{}", help="a JSON object of settings over the translation recipe")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args(argv)

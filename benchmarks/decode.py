@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"prompt + new tokens must fit GPT-2's {GPT2_SMALL['max_positions']} positions")
     torch.set_num_threads(args.threads)
     shape = {"n_layers": args.n_layers, "d_model": args.d_model, "n_heads": args.n_heads, "vocab_size": args.vocab_size}
-    cfg = DecoderLMConfig(**{**GPT2_SMALL, **shape})
+    cfg = DecoderLMConfig.of(**{**GPT2_SMALL, **shape})
     report = measure(cfg, args.batch_sizes, args.prompt_len, args.new_tokens, args.uncached_tokens,
                      torch.device(args.device), args.dtypes, args.repeats, not args.no_int8)  # fmt: skip
     print_table(report)

@@ -23,8 +23,7 @@ from torch import nn
 
 from qkv.bench import save_report
 from qkv.blocks.dropout import Dropout, dropout
-from qkv.tasks import train
-from qkv.tasks.translate import TranslateConfig
+from qkv.tasks import recipe, train
 from qkv.training import Hooks, StepInfo
 
 
@@ -76,7 +75,8 @@ def step_times(steps: int, repeats: int) -> dict[str, float]:
     for _ in range(repeats):  # interleaved, so drifting machine load hits every case alike
         for name, (swap, p) in cases.items():
             times: list[StepInfo] = []
-            cfg = TranslateConfig(model={"dropout": p}, max_steps=steps, warmup_steps=0, max_time=None)
+            cfg = recipe("translate", {"model": {"dropout": p, "attention_dropout": 0.0}, "max_steps": steps,
+                                       "warmup_steps": 0, "max_time": None})  # fmt: skip
             train(cfg, verbose=False, hooks=Hooks(on_model=swap, on_step=times.append, evaluate=False))
             best[name] = min(best[name], sum(t.seconds for t in times) / len(times) * 1e3)
     return {f"step_{name}_ms": ms for name, ms in best.items()}

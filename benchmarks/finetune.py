@@ -11,7 +11,7 @@ Full fine-tuning: the same command without --lora-rank (every weight trains, Ada
 steps only, for its peak memory and seconds per step.
 
 Peak memory: the high-water mark of each `qkv train` process's resident set (VmHWM, sampled every 20 ms by
-qkv.bench.PeakMemory). Trainable parameters: counted on the model (qkv.blocks.lora.count_parameters, each tied
+qkv.bench.PeakMemory). Trainable parameters: counted on the model (qkv.lora.count_parameters, each tied
 tensor once): the base as loaded, and the base with the run's adapters added. Validation loss before and after:
 `qkv eval`'s protocol (LMRun.val_loss: --final-eval-tokens tokens of the run's validation split, read in 8
 stretches spread over it, in consecutive windows of 128 tokens), on the base model, on the run's best weights
@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from qkv.bench import PeakMemory, save_report
-from qkv.blocks.lora import add_lora, count_parameters
 from qkv.extras import package_file
-from qkv.finetune import load_base, lora_spec_of
+from qkv.finetune import load_base
+from qkv.lora import add_lora, count_parameters
 from qkv.tasks.lm import LMRun
 
 PROMPT = "ROMEO:"
@@ -95,7 +95,7 @@ def before_after(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
         result[f"{name}_loss"] = loaded.val_loss()
         result[f"{name}_sample"] = loaded.generate(PROMPT, args.sample_tokens, **sampling)
     result["last_loss"] = LMRun.load(run_dir, "last").val_loss()
-    spec = lora_spec_of(run.config.to_dict())
+    spec = run.config.lora
     assert spec is not None
     add_lora(base, spec)  # the run's adapters (B = 0) on the base: what the run trained
     result["lora_trainable"], result["lora_total"] = count_parameters(base)

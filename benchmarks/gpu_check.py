@@ -118,7 +118,8 @@ def throughput(dry: bool) -> int:
         r = _json(out)
     b, t = r["batch_size"], r["block_size"]
     compiled = ", compiled" if r["config"]["compile"] else ""
-    heads = f"{r['config']['model']['n_heads']}/{r['config']['model']['n_kv_heads']} q/kv heads"
+    attention = r["config"]["model"]["decoder"]["block"]["attention"]
+    heads = f"{attention['n_heads']}/{attention['n_kv_heads'] or attention['n_heads']} q/kv heads"
     figure(f"B×T = {b}×{t:,}, {r['params_m']:.1f} M params, {heads}, bf16{compiled}, AdamW: "
            f"{r['tokens_per_s']:,.0f} tok/s, {r['ms_per_step']:.1f} ms/step, {r['model_tflops_per_s']:.4g} TFLOP/s "
            f"= MFU {r['mfu']:.1%} of {r['peak_tflops_per_s']:.4g} (target {MFU_TARGET:.0%})")  # fmt: skip
@@ -223,12 +224,11 @@ def fsdp(dry: bool) -> int:
     """
     from torch.distributed.fsdp import FSDPModule
 
-    from qkv.tasks import load, train
-    from qkv.tasks.lm import LMConfig
+    from qkv.tasks import load, recipe, train
     from qkv.training import meta_init
 
     device = "cpu" if dry else "cuda"
-    model = {**LMConfig().model, "n_layers": 2, "d_model": 64, "n_heads": 4, "dropout": 0.0}
+    model = {"n_layers": 2, "d_model": 64, "n_heads": 4, "dropout": 0.0}  # over the default recipe's model
     settings: dict[str, Any] = {"model": model, "block_size": 64, "batch_size": 8, "max_steps": 3,
                                 "eval_interval": 1, "eval_tokens": 1024, "final_eval_tokens": 1024,
                                 "sample_tokens": 0, "warmup_steps": 1, "device": device}  # fmt: skip
@@ -248,7 +248,7 @@ def fsdp(dry: bool) -> int:
     with tempfile.TemporaryDirectory() as tmp:
 
         def run(name: str, **kw: Any) -> Any:
-            return train(LMConfig(**settings, **kw, out_dir=f"{tmp}/{name}"), verbose=False)
+            return train(recipe("lm", {**settings, **kw, "out_dir": f"{tmp}/{name}"}), verbose=False)
 
         single = {dtype: run(f"single-{dtype}", dtype=dtype) for dtype in ("float32", "bfloat16")}
         with mock.patch.object(distributed, "process_group", forced_group(Path(tmp) / "store")), \

@@ -23,9 +23,8 @@ from typing import Any
 
 import torch
 
-from qkv.attention import set_absorb
-from qkv.config import DecoderLMConfig
-from qkv.models import DecoderLM
+from qkv.attention import LatentAttentionConfig, set_absorb
+from qkv.models import DecoderLM, DecoderLMConfig
 
 SHAPE: dict[str, Any] = {"d_model": 1024, "n_heads": 16, "positions": "rotary", "norm": "rms",
                          "activation": "swiglu", "bias": False, "vocab_size": 256}  # fmt: skip
@@ -39,7 +38,7 @@ KINDS: dict[str, dict[str, Any]] = {
 
 def _model(kind: str, n_layers: int, max_positions: int, **extra: Any) -> DecoderLM:
     """An eval-mode DecoderLM of the benchmark shape with the attention `kind`."""
-    cfg = DecoderLMConfig(**SHAPE, **KINDS[kind], **extra, n_layers=n_layers, max_positions=max_positions)
+    cfg = DecoderLMConfig.of(**SHAPE, **KINDS[kind], **extra, n_layers=n_layers, max_positions=max_positions)
     return DecoderLM(cfg).eval()
 
 
@@ -62,16 +61,14 @@ def cache_bytes_per_token(n_tokens: int = 32) -> dict[str, int]:
 def _fill(model: DecoderLM, context: int, steps: int) -> list[Any]:
     """A cache already holding `context` random tokens per layer, with room for `steps` more."""
     cache = model.new_cache(capacity=context + steps)
-    cfg = model.cfg
+    attention, d_model = model.cfg.decoder.block.attention, model.cfg.d_model
     for layer in cache:
-        if cfg.attention == "mla":
-            assert cfg.kv_lora_rank is not None and cfg.qk_rope_head_dim is not None
-            layer.self_attn.append(
-                torch.randn(1, 1, context, cfg.kv_lora_rank), torch.randn(1, 1, context, cfg.qk_rope_head_dim)
-            )
+        if isinstance(attention, LatentAttentionConfig):
+            kv_lora_rank, _, rope_dim, _ = attention.sizes(d_model)
+            layer.self_attn.append(torch.randn(1, 1, context, kv_lora_rank), torch.randn(1, 1, context, rope_dim))
         else:
-            n_kv = cfg.n_kv_heads or cfg.n_heads
-            layer.self_attn.append(torch.randn(1, n_kv, context, cfg.d_head), torch.randn(1, n_kv, context, cfg.d_head))
+            n_kv, d_head = getattr(attention, "n_kv_heads", None) or attention.n_heads, attention.head_dim(d_model)
+            layer.self_attn.append(torch.randn(1, n_kv, context, d_head), torch.randn(1, n_kv, context, d_head))
     return cache
 
 

@@ -8,7 +8,7 @@ down; transformers: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj), th
 asserted equal; fused torch.optim.AdamW over the trainable parameters (lr 2e-4, betas 0.9/0.999, no weight decay),
 gradients clipped to norm 1.0, the same intra-op threads.
 
-qkv: its real training loop, qkv.training.loop.fit (LMConfig(init_from=…, lora_rank=8), evaluation off), each
+qkv: its real training loop, qkv.training.loop.fit (recipe("lm", init_from=…, lora_rank=8), evaluation off), each
 step timed by the loop's on_step hook. PEFT: a plain step loop (forward, next-token cross-entropy computed as
 qkv's LM task does, backward, clip_grad_norm_, step, zero_grad), timed the same way (drawing the batch included).
 Both train on the same batches: random windows of the embedded Shakespeare tokenized with SmolLM2's tokenizer,
@@ -46,14 +46,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkv.bench import save_report, status_bytes
-from qkv.blocks.lora import count_parameters
+from qkv.lora import count_parameters
 from qkv.training import Hooks, StepInfo
 
 SIDES = ("qkv", "peft")
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PREFIX = "@@ "  # a child's messages to the parent on its stdout
 FORWARDED = ("batch_size", "block_size", "threads", "rank", "lr", "warmup", "runs", "steps", "peft_malloc")
-SEED = 1337  # LMConfig's default seed: the PEFT side draws the batches qkv's loop draws
+SEED = 1337  # the recipe's seed: the PEFT side draws the batches qkv's loop draws
 
 
 def checkpoint() -> Path:
@@ -119,17 +119,17 @@ class Link:
 
 def qkv_side(args: argparse.Namespace, link: Link) -> None:
     """qkv's own training loop on the checkpoint, timed by its on_step hook."""
-    from qkv.tasks import train
-    from qkv.tasks.lm import LMConfig
+    from qkv.tasks import recipe, train
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = LMConfig(init_from=str(checkpoint()), lora_rank=args.rank, lora_alpha=2.0 * args.rank, lora_dropout=0.0,
-                       batch_size=args.batch_size, block_size=args.block_size, lr=args.lr, weight_decay=0.0,
-                       beta2=0.999, grad_clip=1.0, max_steps=link.ends[-1], cpu_threads=args.threads, device="cpu",
-                       dtype="float32", sample_tokens=0, seed=SEED, out_dir=str(Path(tmp) / "run"))  # fmt: skip
+        cfg = recipe("lm", {"init_from": str(checkpoint()), "lora_rank": args.rank, "lora_alpha": 2.0 * args.rank,
+                            "lora_dropout": 0.0, "batch_size": args.batch_size, "block_size": args.block_size,
+                            "lr": args.lr, "weight_decay": 0.0, "beta2": 0.999, "grad_clip": 1.0,
+                            "max_steps": link.ends[-1], "cpu_threads": args.threads, "device": "cpu",
+                            "dtype": "float32", "sample_tokens": 0, "seed": SEED, "out_dir": str(Path(tmp) / "run")})
 
         def on_model(model: nn.Module) -> None:
-            link.ready(model, check_loss(model, args, model.cfg.vocab_size, hf=False))
+            link.ready(model, check_loss(model, args, model.embed.vocab_size, hf=False))
 
         train(cfg, verbose=False, hooks=Hooks(on_model=on_model, on_step=link.on_step, evaluate=False))
 
@@ -152,12 +152,12 @@ def peft_model(args: argparse.Namespace) -> tuple[nn.Module, Any]:
 def peft_side(args: argparse.Namespace, link: Link) -> None:
     """A plain transformers + PEFT step loop on the batches qkv's loop draws, timed like its on_step hook."""
     from qkv.data.batches import random_windows
-    from qkv.tasks.lm import LMConfig
+    from qkv.tasks import recipe
     from qkv.tasks.text import text_data
 
     torch.set_num_threads(args.threads)
     model, tokenizer = peft_model(args)
-    cfg = LMConfig(init_from=str(checkpoint()), lora_rank=args.rank, block_size=args.block_size)
+    cfg = recipe("lm", {"init_from": str(checkpoint()), "lora_rank": args.rank, "block_size": args.block_size})
     train = text_data(cfg, None, None, tokenizer, checkpoint().name).split("train")  # as LMTask.setup opens it
     windows, generator = train.window_count(args.block_size), torch.Generator().manual_seed(SEED)
     link.ready(model, check_loss(model, args, tokenizer.vocab_size, hf=True))

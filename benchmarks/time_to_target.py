@@ -1,6 +1,6 @@
 """Time to target: wall-clock seconds of `qkv train` (default recipe) until the full-validation loss reaches a target.
 
-The run is qkv.train with LMConfig's defaults (the default recipe) except for what the options set; every
+The run is qkv.train with the default recipe except for what the options set; every
 --eval-interval steps it evaluates on the whole validation split (eval_tokens=None: the `qkv eval` protocol,
 evaluate_loss over data.val_ids). The first logged val_loss ≤ --target gives the step and, from metrics.jsonl,
 elapsed_s (wall-clock since the loop began, evaluations and checkpoint writes included) and train_s (the training
@@ -25,9 +25,10 @@ import torch
 
 from qkv.bench import save_report
 from qkv.cli import key_value
+from qkv.errors import QkvError
 from qkv.io.devices import resolve_device
 from qkv.io.run_dir import read_metrics
-from qkv.tasks import train
+from qkv.tasks import recipe, train
 from qkv.tasks.lm import LMConfig
 
 
@@ -45,7 +46,7 @@ def run(cfg: LMConfig, target: float, verbose: bool) -> dict[str, Any]:
         "train_seconds_to_target": hit["train_s"] if hit else None,
         "final_val_loss": result.val_loss, "steps": result.step, "elapsed_s": result.elapsed_s,
         "tokens_per_s": rows[-1]["tokens_seen"] / train_s if rows else float("nan"),
-        "device": str(resolve_device(cfg.device)), "threads": torch.get_num_threads(),
+        "device": str(resolve_device(cfg.system.device)), "threads": torch.get_num_threads(),
         "training": cfg.to_dict(), "evals": evals,
     }  # fmt: skip
 
@@ -97,10 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = args.out_dir or str(Path(tmp) / "run")
         try:
-            cfg = LMConfig(**settings, model=dict(args.model), eval_interval=args.eval_interval,
-                              eval_tokens=None, sample_tokens=0, out_dir=out_dir)  # fmt: skip
-        except TypeError as e:  # an unknown --set key
+            cfg = recipe("lm", {**settings, "model": dict(args.model), "eval_interval": args.eval_interval,
+                                "eval_tokens": None, "sample_tokens": 0, "out_dir": out_dir})
+        except QkvError as e:  # an unknown --set key
             p.error(str(e))
+        assert isinstance(cfg, LMConfig)
         report = run(cfg, args.target, verbose=not args.quiet)
     print_table(report)
     save_report(args.json, report)

@@ -36,8 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # on the shared machine does not count), from the loop's on_step hook.
 CHILD = """
 import json, statistics, sys, time
-from qkv.tasks import train
-from qkv.tasks.lm import LMConfig
+from qkv.tasks import recipe, train
 from qkv.training import Hooks
 import qkv
 settings = json.loads(sys.argv[1])
@@ -46,7 +45,7 @@ def on_step(info):
     if info.step == 1:
         print("FIRST_STEP", time.time(), flush=True)
     steps.append((info.seconds, info.tokens))
-train(LMConfig(**settings), verbose=False, hooks=Hooks(on_step=on_step))
+train(recipe("lm", settings), verbose=False, hooks=Hooks(on_step=on_step))
 timed = steps[20:]
 print("QKV", qkv.__file__, flush=True)
 print("TOKENS_PER_S", statistics.median(t / s for s, t in timed), flush=True)

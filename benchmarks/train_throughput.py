@@ -32,10 +32,9 @@ from qkv import DecoderLM
 from qkv.bench import save_report
 from qkv.io import DTYPES
 from qkv.io.devices import resolve_device
-from qkv.tasks import train
-from qkv.tasks.lm import DEFAULT_MODEL, LMConfig
+from qkv.tasks import recipe, train
+from qkv.tasks.lm import LMConfig
 from qkv.training import Hooks, StepInfo
-from qkv.training.config import OPTIMIZERS
 
 # nanoGPT's block: learned positions, LayerNorm, GELU, biases (DecoderLMConfig's own defaults).
 GPT_BLOCK = {"positions": "learned", "norm": "layer", "activation": "gelu", "bias": True, "dropout": 0.0}
@@ -89,7 +88,7 @@ def flops_per_token(model: DecoderLM) -> float:
     n -= 0 if cfg.tie_embeddings else model.embed.tokens.weight.numel()  # an untied input table is a lookup
     if model.embed.positions is not None:
         n -= sum(p.numel() for p in model.embed.positions.parameters())
-    return 6 * n + 12 * cfg.n_layers * cfg.max_positions * cfg.d_model
+    return 6 * n + 12 * cfg.decoder.n_layers * cfg.context_length * cfg.d_model
 
 
 def widen_vocab(model: DecoderLM, vocab_size: int) -> None:
@@ -112,7 +111,8 @@ def measure(cfg: LMConfig, warmup: int = 3, vocab_size: int | None = None) -> Th
     vocab_size: widen the model's vocabulary to this (the data's tokens stay a subset), e.g. GPT-2's on the
     char corpus: the head's matmul then costs what it costs in GPT-2.
     """
-    if cfg.max_steps <= warmup:
+    steps = cfg.schedule.max_steps
+    if steps <= warmup:
         raise SystemExit(f"--steps must exceed the {warmup} warm-up steps")
     models: list[nn.Module] = []
     marks: dict[int, float] = {}
@@ -127,16 +127,16 @@ def measure(cfg: LMConfig, warmup: int = 3, vocab_size: int | None = None) -> Th
     def on_step(info: StepInfo) -> None:
         if info.step > warmup:
             tokens.append(info.tokens)
-        if info.step in (warmup, cfg.max_steps):  # the window's ends: the device's queue drained
+        if info.step in (warmup, steps):  # the window's ends: the device's queue drained
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
             marks[info.step] = time.perf_counter()
 
-    device = str(resolve_device(cfg.device))
-    peak = peak_matmul_flops(device=device, dtype=cfg.dtype)  # on a GPU, in the dtype the matmuls run in
+    device, dtype = str(resolve_device(cfg.system.device)), cfg.system.dtype
+    peak = peak_matmul_flops(device=device, dtype=dtype)  # on a GPU, in the dtype the matmuls run in
     train(cfg, verbose=False, hooks=Hooks(on_model=on_model, on_step=on_step, evaluate=False))
-    peak = max(peak, peak_matmul_flops(device=device, dtype=cfg.dtype))  # before and after: the best is the peak
-    elapsed = marks[cfg.max_steps] - marks[warmup]
+    peak = max(peak, peak_matmul_flops(device=device, dtype=dtype))  # before and after: the best is the peak
+    elapsed = marks[steps] - marks[warmup]
     tokens_per_s = sum(tokens) / elapsed
     model = models[0]
     assert isinstance(model, DecoderLM)
@@ -151,21 +151,22 @@ def measure(cfg: LMConfig, warmup: int = 3, vocab_size: int | None = None) -> Th
 def main(argv: list[str] | None = None) -> None:
     """Parse a model shape, measure, print a table and JSON."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    defaults = LMConfig()
-    p.add_argument("--n-layers", type=int, default=DEFAULT_MODEL["n_layers"])
-    p.add_argument("--d-model", type=int, default=DEFAULT_MODEL["d_model"])
-    p.add_argument("--n-heads", type=int, default=DEFAULT_MODEL["n_heads"])
-    p.add_argument("--n-kv-heads", type=int, default=DEFAULT_MODEL["n_kv_heads"],
+    defaults = recipe("lm")
+    model_defaults, attention = defaults.model, defaults.model.decoder.block.attention
+    p.add_argument("--n-layers", type=int, default=model_defaults.decoder.n_layers)
+    p.add_argument("--d-model", type=int, default=model_defaults.d_model)
+    p.add_argument("--n-heads", type=int, default=attention.n_heads)
+    p.add_argument("--n-kv-heads", type=int, default=getattr(attention, "n_kv_heads", None),
                    help="key/value heads (the recipe's 1, also under --gpt; --n-heads' value: multi-head)")  # fmt: skip
     p.add_argument("--block-size", type=int, default=defaults.block_size)
-    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    p.add_argument("--batch-size", type=int, default=defaults.data.batch_size)
     p.add_argument("--steps", type=int, default=20, help="timed steps (after --warmup more)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--gpt", action="store_true", help="nanoGPT's block (learned positions, LayerNorm, GELU, biases)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="autocast dtype (and the peak's, on CUDA)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (the loop's --compile)")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, help="adamw or muon (default: the task's recipe)")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), help="adamw or muon (default: the task's recipe)")
     p.add_argument("--vocab-size", type=int, help="widen the model's vocabulary to this (default: the corpus's)")
     p.add_argument("--json", help="also write the result to this file")
     args = p.parse_args(argv)
@@ -174,20 +175,22 @@ def main(argv: list[str] | None = None) -> None:
     if args.gpt:
         model |= GPT_BLOCK
     extra = {"optimizer": args.optimizer} if args.optimizer else {}
-    cfg = LMConfig(model=model, block_size=args.block_size, batch_size=args.batch_size, device=args.device,
-                   dtype=args.dtype, compile=args.compile, max_steps=args.warmup + args.steps, warmup_steps=0,
-                   sample_tokens=0, **extra)  # fmt: skip
+    cfg = recipe("lm", {"model": model, "block_size": args.block_size, "batch_size": args.batch_size,
+                        "device": args.device, "dtype": args.dtype, "compile": args.compile,
+                        "max_steps": args.warmup + args.steps, "warmup_steps": 0, "sample_tokens": 0, **extra})
+    assert isinstance(cfg, LMConfig)
     result = measure(cfg, args.warmup, args.vocab_size)
     threads = f"{torch.get_num_threads()} threads" if resolve_device(args.device).type == "cpu" else args.device
     vocab = f", vocab {args.vocab_size:,}" if args.vocab_size else ""
     print(f"config: {args.n_layers} layers × {args.d_model}, {args.n_heads} heads ({args.n_kv_heads} key/value), "
           f"block {args.block_size}{vocab}, "
           f"batch {args.batch_size}, {'GPT block' if args.gpt else 'qkv default block'}, {args.dtype}"
-          f"{', compiled' if args.compile else ''}, {cfg.optimizer}, {threads}")  # fmt: skip
+          f"{', compiled' if args.compile else ''}, {cfg.optim.name}, {threads}")  # fmt: skip
     print(f"{'params':>10} {'tokens/s':>10} {'ms/step':>9} {'model TFLOP/s':>14} {'peak TFLOP/s':>13} {'MFU':>6}")
     print(f"{result.params_m:>9.2f}M {result.tokens_per_s:>10,.0f} {result.ms_per_step:>9.1f} "
           f"{result.model_tflops_per_s:>14.4f} {result.peak_tflops_per_s:>13.4f} {result.mfu:>6.1%}")  # fmt: skip
-    save_report(args.json, {"config": cfg.to_dict(), "batch_size": args.batch_size, "block_size": args.block_size,
+    config = {**cfg.to_dict(), "compile": cfg.system.compile}
+    save_report(args.json, {"config": config, "batch_size": args.batch_size, "block_size": args.block_size,
                             "device": args.device, **asdict(result)})  # fmt: skip
 
 

@@ -21,12 +21,16 @@ from qkv.models import ModelConfig
 M = TypeVar("M", bound=ModelConfig)
 
 
+def config(task: str = "lm", **settings: Any) -> Any:
+    """A task's run config: its recipe with the settings (flags, dotted paths, model={…}) over it."""
+    from qkv.tasks import recipe
+
+    return recipe(task, settings)
+
+
 def model_cfg(cls: type[M], **settings: Any) -> M:
-    """A model config from short settings: the model's own fields, then any other setting (a path, a stack's or a
-    block's field, or a flat key of configs before component configs) laid over them."""
-    own = {f.name for f in dataclasses.fields(cls)}
-    base = cls(**{k: v for k, v in settings.items() if k in own})
-    return base.override({k: v for k, v in settings.items() if k not in own})
+    """A model config from short settings (ModelConfig.of)."""
+    return cls.of(**settings)
 
 
 @contextlib.contextmanager

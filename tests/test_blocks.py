@@ -9,11 +9,22 @@ import torch.nn.functional as F
 from helpers import with_maps
 from torch import Tensor, nn
 
-from qkv import BlockConfig, MultiHeadAttention, QkvError
-from qkv.attention import padding_mask_from_lengths
-from qkv.blocks import Decoder, DecoderLayer, Encoder, EncoderLayer, FeedForward, ResidualNorm
+from qkv import MultiHeadAttention, QkvError
+from qkv.attention import MultiHeadAttentionConfig, padding_mask_from_lengths
+from qkv.blocks import (
+    BlockConfig,
+    Decoder,
+    DecoderLayer,
+    Encoder,
+    EncoderLayer,
+    FeedForward,
+    FeedForwardConfig,
+    MoEConfig,
+    ResidualNorm,
+    StackConfig,
+)
 from qkv.blocks.dropout import Dropout, dropout
-from qkv.norms import LayerNorm
+from qkv.norms import LayerNorm, NormConfig
 
 # --------------------------------------------------------------------------------------------
 # Feed-forward
@@ -142,8 +153,7 @@ def test_dropout_is_the_identity_in_eval_mode_and_seeded_in_training() -> None:
 @pytest.mark.parametrize("placement", ["pre", "post"])
 def test_residual_norm_placement(placement: str) -> None:
     """post: Norm(x + F(x)); pre: x + F(Norm(x))."""
-    cfg = BlockConfig(d_model=8, n_heads=2, dropout=0.0, norm_placement=placement)  # type: ignore[arg-type]
-    res = ResidualNorm(cfg)
+    res = ResidualNorm(8, NormConfig(), pre_norm=placement == "pre", dropout=0.0)
     assert isinstance(res.norm, LayerNorm)
     with torch.no_grad():
         res.norm.weight.normal_()
@@ -177,6 +187,14 @@ def _copy_linear_or_norm(dst: nn.Module, src: nn.Module) -> None:
     dst.get_parameter("bias").copy_(src.get_parameter("bias"))
 
 
+def _block(n_heads: int = 4, n_kv_heads: int | None = None, d_ff: int | None = None, activation: str = "relu",
+           norm: str = "layer", norm_placement: str = "post") -> BlockConfig:
+    """A block without dropout."""
+    return BlockConfig(attention=MultiHeadAttentionConfig(n_heads=n_heads, n_kv_heads=n_kv_heads, dropout=0.0),
+                       ffn=FeedForwardConfig(d_ff=d_ff, activation=activation, dropout=0.0),  # type: ignore[arg-type]
+                       norm=NormConfig(kind=norm), norm_placement=norm_placement, dropout=0.0)  # type: ignore[arg-type]
+
+
 def _build_pair(norm_first: bool) -> tuple[nn.Transformer, Encoder, Decoder]:
     """A torch nn.Transformer (random biases and norms too) and qkv stacks holding its weights."""
     d_model, n_heads, d_ff, n_layers = 16, 4, 24, 2
@@ -188,12 +206,9 @@ def _build_pair(norm_first: bool) -> tuple[nn.Transformer, Encoder, Decoder]:
         for name, p in ref.named_parameters():
             if p.dim() == 1:  # biases are zero and norms are (1, 0) at init: make every one count
                 p.normal_(mean=1.0 if "norm" in name and name.endswith("weight") else 0.0, std=0.2)
-    cfg = BlockConfig(
-        d_model=d_model, n_heads=n_heads, d_ff=d_ff, dropout=0.0, activation="relu",
-        norm_placement="pre" if norm_first else "post",
-    )  # fmt: skip
-    enc = Encoder(cfg, n_layers, final_norm=True)
-    dec = Decoder(cfg, n_layers, final_norm=True, cross_attention=True)
+    block = _block(n_heads=n_heads, d_ff=d_ff, norm_placement="pre" if norm_first else "post")
+    enc = Encoder(StackConfig(n_layers=n_layers, block=block, final_norm=True), d_model)
+    dec = Decoder(StackConfig(n_layers=n_layers, block=block, final_norm=True), d_model, cross_attention=True)
     with torch.no_grad():
         for mine, theirs in zip(enc.layers, ref.encoder.layers, strict=True):
             assert isinstance(mine, EncoderLayer)
@@ -276,8 +291,8 @@ def test_stacks_match_torch_transformer_in_eval_mode_on_real_positions(norm_firs
 
 def test_decoder_without_cross_attention_and_weights() -> None:
     """A GPT-style decoder needs no memory; weights come back per layer; a cross-attending one needs memory."""
-    cfg = BlockConfig(d_model=16, n_heads=4, dropout=0.0, norm_placement="pre")
-    gpt = Decoder(cfg, 3, final_norm=True, cross_attention=False)
+    block = _block(norm_placement="pre")
+    gpt = Decoder(StackConfig(n_layers=3, block=block), 16, cross_attention=False)
     x = torch.randn(2, 5, 16)
     out, maps = with_maps(gpt, x)
     assert out.shape == (2, 5, 16)
@@ -285,10 +300,10 @@ def test_decoder_without_cross_attention_and_weights() -> None:
     for w in maps.self_attn:
         assert w.shape == (2, 4, 5, 5)
         assert (w.triu(1) == 0).all()  # causal
-    enc = Encoder(cfg, 2, final_norm=False)
+    enc = Encoder(StackConfig(n_layers=2, block=block, final_norm=False), 16)
     _, enc_maps = with_maps(enc, x)
     assert len(enc_maps.self_attn) == 2 and (enc_maps.self_attn[0].triu(1) > 0).any()  # bidirectional
-    dec = Decoder(cfg, 2, final_norm=True)
+    dec = Decoder(StackConfig(n_layers=2, block=block), 16)
     _, dmaps = with_maps(dec, x, torch.randn(2, 3, 16))
     assert len(dmaps.cross_attn) == 2 and dmaps.cross_attn[0].shape == (2, 4, 5, 3)
     with pytest.raises(QkvError, match=r"pass the encoder output as memory"):
@@ -296,21 +311,20 @@ def test_decoder_without_cross_attention_and_weights() -> None:
 
 
 def test_block_config_validation() -> None:
-    """BlockConfig fills d_ff = 4·d_model and validates its fields by name."""
-    assert BlockConfig(d_model=16, n_heads=4).d_ff == 64
-    assert BlockConfig(d_model=16, n_heads=4).d_head == 4
+    """A block's parts check their own fields by name; the rules that need the width are checked with it."""
+    assert FeedForwardConfig().width(16) == 64 and MultiHeadAttentionConfig(n_heads=4).head_dim(16) == 4
     with pytest.raises(QkvError, match=r"n_heads=5 must divide d_model=16"):
-        BlockConfig(d_model=16, n_heads=5)
+        _block(n_heads=5).check_width(16)
     with pytest.raises(QkvError, match=r"n_kv_heads=3 must divide n_heads=4"):
-        BlockConfig(d_model=16, n_heads=4, n_kv_heads=3)
-    with pytest.raises(QkvError, match=r"unknown norm_placement 'middle'"):
+        MultiHeadAttentionConfig(n_heads=4, n_kv_heads=3)
+    with pytest.raises(QkvError, match=r"norm_placement must be one of pre, post, got 'middle'"):
         BlockConfig(norm_placement="middle")  # type: ignore[arg-type]
-    with pytest.raises(QkvError, match=r"norm_eps must be positive"):
-        BlockConfig(norm_eps=0.0)
+    with pytest.raises(QkvError, match=r"norm eps must be positive"):
+        NormConfig(eps=0.0)
     with pytest.raises(QkvError, match=r"d_ff must be an integer ≥ 0 \(0 = attention-only layers\), got -1"):
-        BlockConfig(d_ff=-1)
-    with pytest.raises(QkvError, match=r"moe_experts needs feed-forward layers: d_ff=0"):
-        BlockConfig(d_ff=0, moe_experts=4)
+        FeedForwardConfig(d_ff=-1)
+    with pytest.raises(QkvError, match=r"a mixture of experts needs feed-forward layers: d_ff=0"):
+        MoEConfig(d_ff=0, experts=4)
 
 
 def test_an_attention_only_layer_is_self_attention_plus_the_residual() -> None:
@@ -318,8 +332,7 @@ def test_an_attention_only_layer_is_self_attention_plus_the_residual() -> None:
     from qkv.blocks import DecoderLayer
 
     torch.manual_seed(0)
-    cfg = BlockConfig(d_model=16, n_heads=4, d_ff=0, dropout=0.0, norm_placement="pre")
-    layer = DecoderLayer(cfg, cross_attention=False).eval()
+    layer = DecoderLayer(_block(d_ff=0, norm_placement="pre"), 16, cross_attention=False).eval()
     assert layer.ffn is None and layer.ffn_residual is None
     assert not any("ffn" in name for name, _ in layer.named_parameters())
     x = torch.randn(2, 5, 16)
@@ -338,14 +351,13 @@ def test_silu_known_values_and_config() -> None:
     x = torch.tensor([[0.0], [1.0], [-1.0], [20.0]], dtype=f64)
     expected = torch.tensor([[0.0], [0.7310585786300049], [-0.2689414213699951], [19.999999958776925]], dtype=f64)
     assert (ffn.double()(x) - expected).abs().max().item() <= 1e-12
-    assert BlockConfig(d_model=16, n_heads=4, activation="silu").d_ff == 64
-    assert EncoderLayer(BlockConfig(d_model=16, n_heads=4, activation="silu")).ffn.activation == "silu"
+    assert FeedForwardConfig(activation="silu").width(16) == 64
+    assert EncoderLayer(_block(activation="silu"), 16).ffn.activation == "silu"
 
 
 def test_swiglu_block_runs_and_differs_from_relu() -> None:
     """A SwiGLU / RMSNorm block is a working configuration end to end."""
-    cfg = BlockConfig(d_model=16, n_heads=4, n_kv_heads=2, activation="swiglu", norm="rms", norm_placement="pre")
-    layer = EncoderLayer(cfg)
+    layer = EncoderLayer(_block(n_kv_heads=2, activation="swiglu", norm="rms", norm_placement="pre"), 16)
     assert layer.ffn.gate is not None
     x = torch.randn(2, 5, 16)
     out = layer(x)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import model_cfg, run_main, subprocess_env, tiny_data, tiny_settings
+from helpers import config, model_cfg, run_main, subprocess_env, tiny_data, tiny_settings
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -214,12 +214,12 @@ GOOD = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny BPE language model (no chat template), and a LoRA chat fine-tune of it with --chat-template."""
-    from qkv.tasks import config_class, train
+    from qkv.tasks import train
 
     root = tmp_path_factory.mktemp("chat")
     data = tiny_data(root / "data")
     lm = {**tiny_settings("lm", data), "block_size": 64}
-    train(config_class("lm")(**lm, tokenizer="bpe", vocab_size=300, out_dir=str(root / "bpe")), verbose=False)
+    train(config("lm", **lm, tokenizer="bpe", vocab_size=300, out_dir=str(root / "bpe")), verbose=False)
     chat = root / "chat.jsonl"
     words = ("good", "night", "sweet", "prince", "rest", "flights", "angels", "sing", "thee", "to")
     lines = [{"messages": [{"role": "user", "content": f"Say {w}."}, {"role": "assistant", "content": f"{w}!"}]}

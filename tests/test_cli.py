@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import model_cfg, run_main
+from helpers import config, model_cfg, run_main
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,7 +31,6 @@ from qkv.data.cache import open_text
 from qkv.errors import QkvError
 from qkv.models import DecoderLM, DecoderLMConfig
 from qkv.tasks import load, train
-from qkv.tasks.lm import LMConfig
 from qkv.training import evaluate_loss
 from qkv.training.checkpoint import save_checkpoint
 from qkv.training.distributed import DistContext
@@ -94,7 +93,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def char_run(tmp_path_factory: pytest.TempPathFactory, files: dict[str, Path]) -> Path:
     """A finished 10-step char run on the 20,000-character excerpt (val split: 2,000 tokens)."""
     out = tmp_path_factory.mktemp("runs") / "char"
-    train(LMConfig(data=str(files["excerpt"]), max_steps=10, out_dir=str(out), **TINY), verbose=False)
+    train(config("lm", data=str(files["excerpt"]), max_steps=10, out_dir=str(out), **TINY), verbose=False)
     return out
 
 
@@ -103,7 +102,7 @@ def shakespeare_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-step char run on the full embedded Shakespeare corpus (batch 64 keeps its full-val eval short)."""
     out = tmp_path_factory.mktemp("runs") / "shakespeare"
     settings = {**TINY, "batch_size": 64, "eval_interval": 2}
-    train(LMConfig(max_steps=2, out_dir=str(out), **settings), verbose=False)
+    train(config("lm", max_steps=2, out_dir=str(out), **settings), verbose=False)
     return out
 
 

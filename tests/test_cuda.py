@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import model_cfg, subprocess_env
+from helpers import config, model_cfg, subprocess_env
 
 import qkv
 from qkv.attention.sdpa import scaled_dot_product_attention
@@ -26,7 +26,6 @@ from qkv.data import load_shakespeare
 from qkv.generation import Sampling, generate
 from qkv.models import DecoderLM, DecoderLMConfig
 from qkv.tasks import load, train
-from qkv.tasks.lm import LMConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = str(Path(qkv.__file__).resolve().parents[1])  # the qkv under test, also in subprocesses
@@ -172,11 +171,11 @@ def test_cached_greedy_generation_on_cuda_equals_uncached_and_the_cpu(kind: str)
 
 def _tiny_run(corpus: Path, out: Path, **overrides: Any) -> list[dict[str, Any]]:
     """Train the tiny LM of test_training.py (dropout 0) 6 steps; its metrics.jsonl rows."""
-    model = {**LMConfig().model, "n_layers": 1, "d_model": 32, "n_heads": 2, "dropout": 0.0}
+    model = {**config("lm").model, "n_layers": 1, "d_model": 32, "n_heads": 2, "dropout": 0.0}
     settings: dict[str, Any] = {"data": str(corpus), "model": model, "block_size": 32, "batch_size": 4,
                                 "eval_interval": 3, "eval_tokens": 1000, "sample_tokens": 0, "warmup_steps": 2,
                                 "max_steps": 6, "dtype": "float32", "out_dir": str(out), **overrides}  # fmt: skip
-    result = train(LMConfig(**settings), verbose=False)
+    result = train(config("lm", **settings), verbose=False)
     assert result.step == 6
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
@@ -231,12 +230,12 @@ def test_training_steps_on_cuda_never_wait_for_the_gpu(tmp_path: Path, corpus: P
         if info.step == 2:  # the first steps allocate and build; from here on only steady-state steps
             torch.cuda.set_sync_debug_mode("error")
 
-    model = {**LMConfig().model, "n_layers": 1, "d_model": 32, "n_heads": 2, "dropout": 0.0}
+    model = {**config("lm").model, "n_layers": 1, "d_model": 32, "n_heads": 2, "dropout": 0.0}
     settings: dict[str, Any] = {"data": str(corpus), "model": model, "block_size": 32, "batch_size": 4,
                                 "optimizer": "adamw", "dtype": "bfloat16", "device": "cuda", "max_steps": 6,
                                 "out_dir": str(tmp_path / "run")}  # fmt: skip
     try:
-        train(LMConfig(**settings), verbose=False, hooks=Hooks(on_step=on_step, evaluate=False))
+        train(config("lm", **settings), verbose=False, hooks=Hooks(on_step=on_step, evaluate=False))
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert steps == [1, 2, 3, 4, 5, 6]

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import model_cfg, one_thread, shard_dir
+from helpers import config, model_cfg, one_thread, shard_dir
 from launching import ARGS, QKV_TRAIN, STEPS, TORCHRUN, Finished, excerpt
 from launching import max_diff as _max_diff
 from launching import rows as _rows
@@ -46,11 +46,11 @@ from qkv.training.distributed import (
 
 def _config(corpus: Path, out: Path, batch_size: int, **overrides: Any) -> LMConfig:
     """The in-process twin of `qkv train --data CORPUS ARGS --batch-size B --out-dir OUT`."""
-    model = {**LMConfig().model, "n_layers": 1, "d_model": 32, "n_heads": 2, "dropout": 0.0}
+    model = {**config("lm").model, "n_layers": 1, "d_model": 32, "n_heads": 2, "dropout": 0.0}
     settings: dict[str, Any] = {"data": str(corpus), "model": model, "block_size": 32, "batch_size": batch_size,
                                 "eval_interval": 5, "eval_tokens": 300, "sample_tokens": 0, "device": "cpu",
                                 "max_steps": STEPS, "out_dir": str(out)}  # fmt: skip
-    return LMConfig(**{**settings, **overrides})
+    return config("lm", **{**settings, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +149,7 @@ def test_one_process_resumes_a_two_process_checkpoint(
     run = tmp_path / "run"
     shutil.copytree(crashed[0], run)
     with one_thread():
-        result = train(LMConfig(out_dir=str(run), resume=True, max_steps=STEPS, device="cpu"), verbose=False)
+        result = train(config("lm", out_dir=str(run), resume=True, max_steps=STEPS, device="cpu"), verbose=False)
     assert result.step == STEPS
     assert _max_diff(run, ddp[0]) < 1e-5
     assert _weights_diff(run, ddp[0]) < 1e-5

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import checkpoint_dir, one_thread, read_dcp
+from helpers import checkpoint_dir, config, one_thread, read_dcp
 from launching import (
     ARGS,
     QKV_TRAIN,
@@ -37,7 +37,6 @@ from launching import (
 
 from qkv.io.files import load_safetensors
 from qkv.tasks import train
-from qkv.tasks.lm import LMConfig
 
 
 @pytest.fixture(scope="module")
@@ -185,4 +184,4 @@ def test_an_fsdp_run_larger_than_any_process_saves_and_resumes(tmp_path: Path, c
     assert len(shards) == 2  # each rank wrote its own part, about half of the weights and moments each
     assert all(p.stat().st_size < 0.55 * 3 * 4 * n_params for p in shards)
     with one_thread():
-        assert train(LMConfig(out_dir=str(run), resume=True, max_steps=3, device="cpu"), verbose=False).step == 3
+        assert train(config("lm", out_dir=str(run), resume=True, max_steps=3, device="cpu"), verbose=False).step == 3

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import model_cfg, run_main, tiny_data, tiny_settings
+from helpers import config, model_cfg, run_main, tiny_data, tiny_settings
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -178,19 +178,19 @@ def test_a_changed_benchmark_file_is_refused(tmp_path: Path, monkeypatch: pytest
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny runs: char and BPE language models, a LoRA fine-tune of the BPE one, and a translation model."""
-    from qkv.tasks import config_class, train
+    from qkv.tasks import train
 
     root = tmp_path_factory.mktemp("evals")
     data = tiny_data(root / "data")
     out = {name: root / name for name in ("char", "bpe", "lora", "translate")}
     lm = tiny_settings("lm", data)
-    train(config_class("lm")(**lm, out_dir=str(out["char"])), verbose=False)
-    train(config_class("lm")(**lm, tokenizer="bpe", vocab_size=300, out_dir=str(out["bpe"])), verbose=False)
+    train(config("lm", **lm, out_dir=str(out["char"])), verbose=False)
+    train(config("lm", **lm, tokenizer="bpe", vocab_size=300, out_dir=str(out["bpe"])), verbose=False)
     lora = {"init_from": str(out["bpe"]), "lora_rank": 2, "max_steps": 2, "eval_interval": 2, "block_size": 32,
             "batch_size": 4, "eval_tokens": 600, "final_eval_tokens": 600, "sample_tokens": 0, "device": "cpu",
             "data": str(data["text"])}  # fmt: skip
-    train(config_class("lm")(**lora, out_dir=str(out["lora"])), verbose=False)
-    train(config_class("translate")(**tiny_settings("translate", data), out_dir=str(out["translate"])), verbose=False)
+    train(config("lm", **lora, out_dir=str(out["lora"])), verbose=False)
+    train(config("translate", **tiny_settings("translate", data), out_dir=str(out["translate"])), verbose=False)
     return out
 
 
@@ -209,9 +209,10 @@ def test_bench_prints_a_table_and_keeps_json_beside_the_run(runs: dict[str, Path
 
 def test_a_lora_run_is_scored_merged_onto_its_base(runs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     """The LoRA run's scores are its merged model's: equal to scoring that model directly."""
+    from qkv.finetune.runs import load_lora_run
+
     from qkv.evals.models import load_eval_model
     from qkv.evals.run import run_benchmark
-    from qkv.finetune.runs import load_lora_run
     from qkv.io.progress import ProgressLine
 
     lm = load_eval_model(runs["lora"])

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from qkv.blocks.lora import LoRASpec, add_lora, count_parameters, lora_modules, merge_lora
 from test_lora import peft_twin, randomize_b
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from qkv.blocks.lora import LoRASpec, add_lora, count_parameters, lora_modules, merge_lora
 from qkv.extras import package_file
 from qkv.finetune import Base, load_base
 from qkv.interop import Checkpoint, read_checkpoint

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import model_cfg
+from helpers import config, model_cfg
 from transformers import MarianConfig, MarianMTModel, MarianTokenizer
 
 from qkv import QkvError, Transformer, TransformerConfig
@@ -428,7 +428,6 @@ def test_init_from_a_marian_directory_fine_tunes_it(
 ) -> None:
     """--init-from MARIAN_DIR starts at its weights with its tokenizer; the run translates, evaluates and resumes."""
     from qkv.tasks import load, train
-    from qkv.tasks.translate import TranslateConfig
     from qkv.training import Hooks
 
     data = tmp_path / "pairs.tsv"
@@ -436,7 +435,7 @@ def test_init_from_a_marian_directory_fine_tunes_it(
     started: dict[str, torch.Tensor] = {}
     hooks = Hooks(on_model=lambda model: started.update({k: v.clone() for k, v in model.state_dict().items()}))
     run_dir = tmp_path / "tuned"
-    config = TranslateConfig(data=str(data), init_from=str(marian_dir), batch_size=300, max_steps=8, eval_interval=4,
+    config = config("translate", data=str(data), init_from=str(marian_dir), batch_size=300, max_steps=8, eval_interval=4,
                              lr=1e-3, warmup_steps=2, device="cpu", out_dir=str(run_dir))  # fmt: skip
     result = train(config, verbose=False, hooks=hooks)
     original = from_hf(marian_dir).state_dict()

@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 from helpers import model_cfg
-
 from qkv.blocks.lora import LoRASpec, add_lora
+
 from qkv.errors import QkvError
 from qkv.interpret import (
     activation_patching,

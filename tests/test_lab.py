@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import chrome, find_browser, model_cfg, run_main
+from helpers import chrome, config, find_browser, model_cfg, run_main
 
 import qkv
 from qkv.errors import QkvError
@@ -43,7 +43,6 @@ from qkv.lab.softmax import stable_softmax
 from qkv.lab.walkthrough import SENTENCES, builtin_example, load_embeddings
 from qkv.models import DecoderLM, DecoderLMConfig, Transformer, TransformerConfig
 from qkv.tasks import train
-from qkv.tasks.lm import LMConfig
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 EXPERIMENTS = ("variance", "softmax", "walkthrough", "positional", "norms", "masks", "heads")
@@ -56,7 +55,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MPLBACKEND
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run directory as `qkv train --n-layers 1 --d-model 32 --n-heads 2 --block-size 32 … --max-steps 10` writes."""
     out = tmp_path_factory.mktemp("tiny-run")
-    train(LMConfig(**TINY, out_dir=str(out)), verbose=False)
+    train(config("lm", **TINY, out_dir=str(out)), verbose=False)
     return out
 
 

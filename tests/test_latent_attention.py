@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from helpers import model_cfg, with_maps
 
-from qkv.attention import KVCache, LatentAttention, LatentKVCache, set_absorb
+from qkv.attention import KVCache, LatentAttention, LatentAttentionConfig, LatentKVCache, set_absorb
 from qkv.data import load_shakespeare
 from qkv.errors import QkvError
 from qkv.generation import Sampling, generate
@@ -137,25 +137,26 @@ def test_mla_cache_is_at_most_a_seventh_of_mha() -> None:
 
 def test_config_fills_deepseek_v2_defaults() -> None:
     cfg = model_cfg(DecoderLMConfig, vocab_size=10, d_model=64, n_heads=4, positions="rotary", attention="mla")
-    assert (cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (64, 16, 8, 16)
-    assert cfg.q_lora_rank is None and cfg.rotary_dim == 8
+    mla = cfg.decoder.block.attention
+    assert isinstance(mla, LatentAttentionConfig) and mla.sizes(cfg.d_model) == (64, 16, 8, 16)
+    assert mla.q_lora_rank is None and cfg.rotary_dim() == 8
     assert DecoderLMConfig.from_dict(cfg.to_dict()) == cfg
 
 
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"attention": "gqa"}, r"unknown attention 'gqa'; choose one of: mha, mla"),
-        ({"kv_lora_rank": 8}, r"kv_lora_rank only apply to attention='mla'"),
-        ({"mla_absorb": True}, r"mla_absorb only apply to attention='mla'"),
-        ({"attention": "mla"}, r"attention='mla' needs positions='rotary'"),
+        ({"attention": "gqa"}, r"unknown decoder.block.attention 'gqa'; choose one of: mha, mla"),
+        ({"kv_lora_rank": 8}, r"decoder.block.attention has no field 'kv_lora_rank'"),
+        ({"mla_absorb": True}, r"decoder.block.attention has no field 'absorb'"),
+        ({"attention": "mla"}, r"attention kind mla needs rotary positions"),
         ({"attention": "mla", "positions": "rotary", "qk_rope_head_dim": 3}, r"qk_rope_head_dim must be even"),
         ({"attention": "mla", "positions": "rotary", "kv_lora_rank": 0}, r"kv_lora_rank must be a positive integer"),
         ({"attention": "mla", "positions": "rotary", "q_lora_rank": -2}, r"q_lora_rank must be a positive integer"),
-        ({"attention": "mla", "positions": "rotary", "n_kv_heads": 2}, r"n_kv_heads does not apply"),
-        ({"moe_experts": 6, "moe_groups": 4}, r"moe_groups=4 must divide moe_experts=6"),
-        ({"moe_experts": 8, "moe_groups": 4, "moe_topk_groups": 1, "moe_top_k": 3}, r"moe_top_k=3 exceeds the 2"),
-        ({"moe_experts": -1}, r"moe_experts must be an integer ≥ 0"),
+        ({"attention": "mla", "positions": "rotary", "n_kv_heads": 2}, r"attention has no field 'n_kv_heads'"),
+        ({"moe_experts": 6, "moe_groups": 4}, r"groups=4 must divide experts=6"),
+        ({"moe_experts": 8, "moe_groups": 4, "moe_topk_groups": 1, "moe_top_k": 3}, r"top_k=3 exceeds the 2"),
+        ({"moe_experts": 4, "moe_shared_experts": -1}, r"shared_experts must be an integer ≥ 0"),
     ],
 )
 def test_config_refuses_bad_mla_and_moe_settings(fields: dict[str, Any], message: str) -> None:
@@ -190,8 +191,8 @@ def test_mla_trains_through_qkv_train(tmp_path: Path) -> None:
     assert [m["step"] for m in metrics] == [10, 20, 30]
     assert metrics[-1]["val_loss"] < metrics[0]["val_loss"] - 0.1
     assert metrics[-1]["train_loss"] < metrics[0]["train_loss"]
-    saved = json.loads((out / "config.json").read_text())["model"]
-    assert (saved["attention"], saved["kv_lora_rank"], saved["q_lora_rank"]) == ("mla", 16, 16)
+    saved = json.loads((out / "config.json").read_text())["model"]["decoder"]["block"]["attention"]
+    assert (saved["kind"], saved["kv_lora_rank"], saved["q_lora_rank"]) == ("mla", 16, 16)
 
 
 def test_latent_down_projections_get_the_plain_init_std() -> None:

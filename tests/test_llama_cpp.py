@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 from llama_cpp import Llama, llama_get_logits_ith
+from qkv.blocks.lora import LoRASpec, add_lora, merge_lora
 from test_lora import randomize_b
 
-from qkv.blocks.lora import LoRASpec, add_lora, merge_lora
 from qkv.extras import package_file
 from qkv.finetune import load_base
 from qkv.generation import Sampling, generate

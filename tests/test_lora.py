@@ -18,9 +18,9 @@ from helpers import model_cfg
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from peft import LoraConfig, PeftModel, get_peft_model
+from qkv.blocks.lora import DEFAULT_TARGETS, LoRALinear, LoRASpec, add_lora, count_parameters, lora_modules, merge_lora
 from transformers import LlamaForCausalLM
 
-from qkv.blocks.lora import DEFAULT_TARGETS, LoRALinear, LoRASpec, add_lora, count_parameters, lora_modules, merge_lora
 from qkv.errors import QkvError
 from qkv.finetune import load_peft, save_peft
 from qkv.interop import save_hf

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import model_cfg, one_thread, run_main, tiny_data, tiny_settings
+from helpers import config, model_cfg, one_thread, run_main, tiny_data, tiny_settings
 
 from qkv.lab.attention_map import attention_map
 from qkv.models import EncoderConfig, EncoderModel
 from qkv.tasks import load, train
-from qkv.tasks.mlm import MLMConfig, MLMRun, mask_tokens
+from qkv.tasks.mlm import MLMRun, mask_tokens
 
 
 def test_masking_follows_bert_statistics() -> None:
@@ -24,7 +24,7 @@ def test_masking_follows_bert_statistics() -> None:
     ids = torch.randint(2, vocab, (b, t), generator=gen)
     order, choice = torch.rand(b, t, generator=gen), torch.rand(b, t, generator=gen)
     random_ids = torch.randint(2, vocab, (b, t), generator=gen)
-    n = MLMConfig().n_selected(t)
+    n = config("mlm").n_selected(t)
     assert n == 15
     inputs, positions, labels = mask_tokens(ids, order, choice, random_ids, n, mask_id)
     assert positions.shape == labels.shape == (b, n)
@@ -64,7 +64,7 @@ def test_a_trained_encoder_loads_restores_and_shows_attention(
 ) -> None:
     data = tiny_data(tmp_path / "data")
     with one_thread():
-        result = train(MLMConfig(**tiny_settings("mlm", data) | {"max_steps": 4}, out_dir=str(tmp_path / "run")),
+        result = train(config("mlm", **tiny_settings("mlm", data) | {"max_steps": 4}, out_dir=str(tmp_path / "run")),
                        verbose=False)  # fmt: skip
     assert set(result.final) == {"val_loss", "val_accuracy"} and 0 <= result.final["val_accuracy"] <= 1
     run = load(result.run_dir)

@@ -7,13 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import model_cfg
+from helpers import config, model_cfg
 from torch import nn
 
 from qkv import DecoderLM, DecoderLMConfig, Transformer, TransformerConfig
 from qkv.errors import QkvError
-from qkv.tasks.lm import LMConfig
-from qkv.tasks.translate import TranslateConfig
 from qkv.training.optim import MuonAdamW, block_matrices, make_optimizer, orthogonalize
 
 
@@ -82,7 +80,7 @@ def test_muon_takes_the_block_matrices_and_adamw_the_rest(model: str) -> None:
     net: nn.Module = _tiny_transformer()
     if model == "decoder_lm":
         net = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=50, d_model=16, n_heads=2, n_layers=2, max_positions=8))
-    optimizer = make_optimizer(net, TranslateConfig(optimizer="muon"))
+    optimizer = make_optimizer(net, config("translate", optimizer="muon"))
     muon, decay, no_decay = optimizer.param_groups
     names = {id(p): n for n, p in net.named_parameters()}
     muon_names = sorted(names[id(p)] for p in muon["params"])
@@ -101,7 +99,7 @@ def test_adamw_groups_of_muon_step_exactly_like_adamw() -> None:
     torch.manual_seed(3)
     net, twin = _tiny_transformer(), _tiny_transformer()
     twin.load_state_dict(net.state_dict())
-    hybrid = make_optimizer(net, TranslateConfig(optimizer="muon", fused_optimizer=False))
+    hybrid = make_optimizer(net, config("translate", optimizer="muon", fused_optimizer=False))
     lr, decay = hybrid.defaults["lr"], hybrid.param_groups[0]["weight_decay"]
     matrices = block_matrices(twin)
     rest = [p for p in twin.parameters() if all(p is not m for m in matrices)]
@@ -121,10 +119,10 @@ def test_adamw_groups_of_muon_step_exactly_like_adamw() -> None:
 
 def test_the_language_model_and_translation_recipes_use_muon() -> None:
     """Muon is the default of both (with FSDP too: tests/test_tasks.py trains every task sharded like one process)."""
-    assert LMConfig().optimizer == "muon" and TranslateConfig().optimizer == "muon"
-    assert LMConfig(optimizer="muon", strategy="fsdp").strategy == "fsdp"
+    assert config("lm").optimizer == "muon" and config("translate").optimizer == "muon"
+    assert config("lm", optimizer="muon", strategy="fsdp").strategy == "fsdp"
     with pytest.raises(QkvError, match="unknown optimizer 'sgd'"):
-        LMConfig(optimizer="sgd")
+        config("lm", optimizer="sgd")
 
 
 def _sharded_muon_worker(rank: int, store: str, out: str) -> None:

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import one_thread
+from helpers import config, one_thread
 
 from qkv.data import load_shakespeare
-from qkv.tasks import config_class, train
+from qkv.tasks import train
 from qkv.translation.corpus import load_de_en
 
 MODEL = {"d_model": 32, "n_heads": 2, "dropout": 0.0}
@@ -59,7 +59,7 @@ def test_the_pinned_recipe_keeps_its_losses(task: str, tmp_path: Path) -> None:
     elif task == "translate":
         settings["data"] = str(data["pairs"])
     with one_thread():
-        result = train(config_class(task)(**settings, out_dir=str(tmp_path / "run")), verbose=False)
+        result = train(config(task, **settings, out_dir=str(tmp_path / "run")), verbose=False)
     got = [(r["step"], r["train_loss"], r["val_loss"]) for r in result.metrics]
     assert [step for step, _, _ in got] == [step for step, _, _ in PINNED[task]]
     for (_, train_loss, val_loss), (_, want_train, want_val) in zip(got, PINNED[task], strict=True):

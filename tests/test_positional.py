@@ -15,6 +15,7 @@ from qkv.positional import (
     LearnedPositionalEmbedding,
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
+    SinusoidalPositionsConfig,
     apply_rotary,
     rotate_half,
     sinusoidal_table,
@@ -92,13 +93,13 @@ def test_sinusoid_layout_is_a_validated_config_choice() -> None:
     from qkv import DecoderLMConfig, Transformer, TransformerConfig
 
     base = dict(src_vocab_size=11, tgt_vocab_size=11, d_model=8, n_heads=2, n_encoder_layers=1, n_decoder_layers=1)
-    assert model_cfg(TransformerConfig, **base).sinusoid_layout == "interleaved"  # type: ignore[arg-type]
+    assert model_cfg(TransformerConfig, **base).embedding.positions == SinusoidalPositionsConfig(layout="interleaved")
     model = Transformer(model_cfg(TransformerConfig, **base, sinusoid_layout="halves"))  # type: ignore[arg-type]
     assert model.src_embed.positions is not None
     assert torch.equal(model.tgt_embed.positions(5), sinusoidal_table(5, 8, layout="halves"))
-    with pytest.raises(QkvError, match=r"unknown sinusoid_layout 'sideways'; choose one of: interleaved, halves"):
+    with pytest.raises(QkvError, match=r"layout must be one of interleaved, halves, got 'sideways'"):
         model_cfg(TransformerConfig, **base, sinusoid_layout="sideways")  # type: ignore[arg-type]
-    with pytest.raises(QkvError, match=r"sinusoid_layout='halves' needs positions='sinusoidal'"):
+    with pytest.raises(QkvError, match=r"embedding.positions has no field 'layout'"):
         model_cfg(DecoderLMConfig, vocab_size=11, d_model=8, n_heads=2, sinusoid_layout="halves")
 
 

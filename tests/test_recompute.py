@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import model_cfg, tiny_data, tiny_settings
+from helpers import config, model_cfg, tiny_data, tiny_settings
 
 from qkv import DecoderLM
 from qkv.models import DecoderLMConfig, EncoderConfig, EncoderModel, Transformer, TransformerConfig
@@ -55,11 +55,11 @@ def test_without_gradients_a_layer_runs_as_before() -> None:
 
 
 def test_a_run_with_activation_checkpointing_logs_the_plain_runs_losses(tmp_path: Path) -> None:
-    from qkv.tasks import config_class, train
+    from qkv.tasks import train
 
     settings = {**tiny_settings("lm", tiny_data(tmp_path / "data")), "model": {"n_layers": 2, "dropout": 0.1}}
     for name, recompute in (("plain", False), ("recomputed", True)):
-        train(config_class("lm")(**settings, activation_checkpointing=recompute, out_dir=str(tmp_path / name)),
+        train(config("lm", **settings, activation_checkpointing=recompute, out_dir=str(tmp_path / name)),
               verbose=False)  # fmt: skip
     plain, again = ([json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
                     for name in ("plain", "recomputed"))  # fmt: skip

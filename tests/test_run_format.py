@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import one_thread, run_main
+from helpers import config, one_thread, run_main
 
 from qkv.io.files import load_safetensors
 from qkv.io.run_dir import migrate_config, migrate_state
 from qkv.tasks import load, train
-from qkv.tasks.lm import LMConfig, LMRun
+from qkv.tasks.lm import LMRun
 from qkv.tasks.translate import TranslationRun
 
 FIXTURES = Path(__file__).parent / "fixtures" / "run_dirs"
@@ -58,7 +58,7 @@ def test_an_old_language_model_run_loads_generates_evaluates_and_resumes(
     # them; float sums may differ a little on another CPU), and resumes both the same way.
     stored = migrate_config(json.loads((FIXTURES / "lm-v0" / "config.json").read_text()))["training"]
     with one_thread():
-        fresh = train(LMConfig(**{**stored, "out_dir": str(tmp_path / "fresh")}), verbose=False)
+        fresh = train(config("lm", **{**stored, "out_dir": str(tmp_path / "fresh")}), verbose=False)
     assert fresh.step == 4 and _max_diff(run, fresh.run_dir) < 1e-5
     for directory in (run, fresh.run_dir):
         with one_thread():

@@ -25,6 +25,7 @@ from helpers import (
     TASK_NAMES,
     checkpoint_dir,
     cli_args,
+    config,
     one_thread,
     read_dcp,
     subprocess_env,
@@ -34,7 +35,7 @@ from helpers import (
 
 from qkv.cli import main
 from qkv.io.files import load_safetensors
-from qkv.tasks import config_class, train
+from qkv.tasks import train
 from qkv.training import TrainResult
 
 # Run as `python -c KILLER MODE AT qkv-arguments…`: `qkv train`, SIGKILLed at a chosen point.
@@ -79,7 +80,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def _train(task: str, settings: dict[str, Any], out: Path, **overrides: Any) -> TrainResult:
     """A tiny run in this process, on one thread (as the subprocesses run)."""
     with one_thread():
-        return train(config_class(task)(**{**settings, **overrides, "out_dir": str(out)}), verbose=False)
+        return train(config(task, **{**settings, **overrides, "out_dir": str(out)}), verbose=False)
 
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -24,7 +24,7 @@ import pytest
 import safetensors.torch
 import torch
 import torch.nn.functional as F
-from helpers import checkpoint_dir, model_cfg, one_thread, read_dcp, shard_dir
+from helpers import checkpoint_dir, config, model_cfg, one_thread, read_dcp, shard_dir
 from safetensors import safe_open
 
 from qkv.attention import new_cache
@@ -66,11 +66,11 @@ def _tiny_config(corpus: Path, out_dir: Path, max_steps: int, **overrides: Any) 
 
     Like the CLI, the --n-layers etc. values are laid over the default recipe's model fields.
     """
-    model = {**LMConfig().model, **MODEL}
+    model = {**config("lm").model, **MODEL}
     settings: dict[str, Any] = {"data": str(corpus), "model": model, "block_size": 32, "batch_size": 4,
                                 "eval_interval": 5, "eval_tokens": 2000, "sample_tokens": 0, "device": "cpu",
                                 "max_steps": max_steps, "out_dir": str(out_dir)}  # fmt: skip
-    return LMConfig(**{**settings, **overrides})
+    return config("lm", **{**settings, **overrides})
 
 
 def _rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -260,7 +260,7 @@ def _save(run: Path, model: DecoderLM, opt: torch.optim.Optimizer, gen: torch.Ge
 def _load(run: Path) -> tuple[dict[str, torch.Tensor], int]:
     """The weights and step of the committed checkpoint, loaded into a fresh model."""
     model = _tiny_lm()
-    extra = ckpt.load_checkpoint(run, model, make_optimizer(model, LMConfig()), {"data": torch.Generator()}, ONE, set())
+    extra = ckpt.load_checkpoint(run, model, make_optimizer(model, config("lm")), {"data": torch.Generator()}, ONE, set())
     return model.state_dict(), extra["step"]
 
 
@@ -271,7 +271,7 @@ def test_a_save_that_dies_before_its_commit_keeps_the_previous_checkpoint(
     the next save of that step replaces its leftover, and a committed save removes the older step directories."""
     torch.manual_seed(0)
     model = _tiny_lm()
-    opt = make_optimizer(model, LMConfig())
+    opt = make_optimizer(model, config("lm"))
     gen = torch.Generator().manual_seed(5)
     run = tmp_path / "run"
     _step(model, opt, gen)
@@ -304,7 +304,7 @@ def test_checkpoint_metadata_cannot_run_code(tmp_path: Path) -> None:
     before it is called, and a checkpoint holds no pickled Python objects besides it (hyperparameters are JSON)."""
     torch.manual_seed(0)
     model = _tiny_lm()
-    opt = make_optimizer(model, LMConfig())
+    opt = make_optimizer(model, config("lm"))
     gen = torch.Generator()
     _step(model, opt, gen)
     run = tmp_path / "run"
@@ -505,7 +505,7 @@ def test_ctrl_c_saves_a_resumable_checkpoint_and_exits_130(tmp_path: Path, corpu
     assert "validation loss" in stdout
 
     with one_thread():
-        result = train(LMConfig(out_dir=str(out), resume=True, max_steps=step + 3, device="cpu"), verbose=False)
+        result = train(config("lm", out_dir=str(out), resume=True, max_steps=step + 3, device="cpu"), verbose=False)
     assert result.step == step + 3 and not result.interrupted
     assert [r["step"] for r in result.metrics][-2:] == [step, step + 3]
     assert _state_step(out) == step + 3
@@ -526,7 +526,7 @@ def test_a_text_file_splits_by_characters(corpus: Path) -> None:
 @pytest.mark.slow
 def test_compiled_training_matches_eager(tmp_path: Path, corpus: Path) -> None:
     """--compile (inductor's C++ kernels on the CPU) takes the same steps as eager, to fp32 reassociation."""
-    model = {**LMConfig().model, **MODEL, "dropout": 0.0}  # compiled dropout draws from its own RNG
+    model = {**config("lm").model, **MODEL, "dropout": 0.0}  # compiled dropout draws from its own RNG
     rows = {}
     for compile_ in (False, True):
         out = tmp_path / f"compile-{compile_}"
@@ -556,7 +556,7 @@ def test_one_process_compiles_the_loss_into_the_training_graph(tmp_path: Path, c
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": record}))
     assert compiled.torch.compile is not compile_
-    model = {**LMConfig().model, **MODEL, "dropout": 0.0}
+    model = {**config("lm").model, **MODEL, "dropout": 0.0}
     with one_thread():
         train(_tiny_config(corpus, tmp_path / "run", 2, model=model, compile=True), verbose=False,
               hooks=Hooks(evaluate=False))  # fmt: skip
@@ -605,7 +605,7 @@ def test_auto_precision_is_float32_on_the_cpu_and_bf16_with_tf32_on_cuda(tmp_pat
     from helpers import tiny_data, tiny_settings
 
     from qkv.io.devices import matmul_precision, resolve_dtype
-    from qkv.tasks import config_class, train
+    from qkv.tasks import train
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert (resolve_dtype("auto", cpu), resolve_dtype("auto", cuda)) == ("float32", "bfloat16")
@@ -615,7 +615,7 @@ def test_auto_precision_is_float32_on_the_cpu_and_bf16_with_tf32_on_cuda(tmp_pat
         with matmul_precision(device, dtype):
             assert torch.backends.cuda.matmul.allow_tf32 == tf32
         assert torch.backends.cuda.matmul.allow_tf32 == before  # restored
-    train(config_class("lm")(**tiny_settings("lm", tiny_data(tmp_path / "data")), out_dir=str(tmp_path / "run")),
+    train(config("lm", **tiny_settings("lm", tiny_data(tmp_path / "data")), out_dir=str(tmp_path / "run")),
           verbose=False)  # fmt: skip
     assert json.loads((tmp_path / "run" / "config.json").read_text())["training"]["dtype"] == "float32"
 

@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import config
 
 from qkv.attention import MultiHeadAttention, record_attention
 from qkv.cli import main
 from qkv.io.files import load_safetensors
 from qkv.models import Transformer
 from qkv.tasks import load, train
-from qkv.tasks.toy import SPECIALS, CopyConfig, ReverseConfig, ToyTask, random_sequences
-from qkv.tasks.translate import TranslateConfig
+from qkv.tasks.toy import SPECIALS, ToyTask, random_sequences
 from qkv.training import TrainResult
 from qkv.translation.batching import make_batch, source_tensor
 from qkv.translation.corpus import (
@@ -109,14 +109,14 @@ class ToyResult:
 
 def toy_model(n_symbols: int = 10, d_model: int = 64) -> Transformer:
     """An untrained model of the copy task's shape."""
-    return ToyTask(CopyConfig(n_symbols=n_symbols, model={"d_model": d_model})).build_model()
+    return ToyTask(config("copy", n_symbols=n_symbols, model={"d_model": d_model})).build_model()
 
 
 @pytest.fixture(scope="module")
 def copy_run(tmp_path_factory: pytest.TempPathFactory) -> ToyResult:
     """The copy task, trained once for this module (also serves the decoding tests)."""
     out = tmp_path_factory.mktemp("copy") / "run"
-    return ToyResult(train(CopyConfig(max_steps=300, out_dir=str(out)), verbose=False))
+    return ToyResult(train(config("copy", max_steps=300, out_dir=str(out)), verbose=False))
 
 
 def test_copy_task_is_learned_exactly(copy_run: ToyResult) -> None:
@@ -125,7 +125,7 @@ def test_copy_task_is_learned_exactly(copy_run: ToyResult) -> None:
 
 
 def test_reverse_task_is_learned_exactly(tmp_path: Path) -> None:
-    result = ToyResult(train(ReverseConfig(max_steps=300, out_dir=str(tmp_path / "run")), verbose=False))
+    result = ToyResult(train(config("reverse", max_steps=300, out_dir=str(tmp_path / "run")), verbose=False))
     assert result.train_seconds <= 60.0
     assert result.exact_match == 1.0, result
 
@@ -308,10 +308,10 @@ def test_resume_takes_the_same_steps(tmp_path: Path, tiny_corpus: None, capsys: 
     tiny: dict[str, Any] = dict(corpus="ding", vocab_size=300, model={"d_model": 32, "n_heads": 2, "d_ff": 64,
                 "n_encoder_layers": 1, "n_decoder_layers": 1}, batch_size=200, max_steps=4, eval_interval=2,
                 device="cpu")  # fmt: skip
-    whole = train(TranslateConfig(**tiny, max_time=1e4, out_dir=str(tmp_path / "a")), verbose=False)
-    cut = train(TranslateConfig(**tiny, max_time=1e-3, out_dir=str(tmp_path / "b")), verbose=False)
+    whole = train(config("translate", **tiny, max_time=1e4, out_dir=str(tmp_path / "a")), verbose=False)
+    cut = train(config("translate", **tiny, max_time=1e-3, out_dir=str(tmp_path / "b")), verbose=False)
     assert cut.step == 1  # the time budget stopped it after one step, with a checkpoint
-    resumed = train(TranslateConfig(**tiny, max_time=1e4, out_dir=str(tmp_path / "b"), resume=True))
+    resumed = train(config("translate", **tiny, max_time=1e4, out_dir=str(tmp_path / "b"), resume=True))
     assert whole.step == resumed.step == 4
     a, b = (load_safetensors(tmp_path / d / "last.safetensors") for d in ("a", "b"))
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -343,7 +343,7 @@ def test_lab_attention_map_of_a_translation_run(tmp_path: Path, tiny_corpus: Non
     tiny: dict[str, Any] = dict(corpus="ding", vocab_size=300, model={"d_model": 32, "n_heads": 2, "d_ff": 64,
                 "n_encoder_layers": 1, "n_decoder_layers": 2}, batch_size=200, max_steps=2, eval_interval=2,
                 device="cpu")  # fmt: skip
-    train(TranslateConfig(**tiny, out_dir=str(tmp_path / "run")), verbose=False)
+    train(config("translate", **tiny, out_dir=str(tmp_path / "run")), verbose=False)
     result = attention_map(tmp_path / "run", "Wie geht es dir?")
     kinds = [m.kind for m in result.maps]
     assert kinds == ["encoder", "decoder", "decoder", "cross", "cross"]

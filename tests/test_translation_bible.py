@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from helpers import config
 
 from qkv.errors import QkvError
-from qkv.tasks.translate import TranslateConfig
 from qkv.translation.bible import (
     BIBLE_COUNT,
     HELD_OUT_BOOKS,
@@ -88,12 +88,12 @@ def test_splits_are_fixed_disjoint_and_hold_out_whole_books() -> None:
 
 
 def test_corpus_option() -> None:
-    assert TranslateConfig(corpus="bible").splits().tests["test"] == split_bible().tests["test"]
-    bible, ding, both = split_bible(), split_de_en(), TranslateConfig(corpus="ding+bible").splits()
+    assert config("translate", corpus="bible").splits().tests["test"] == split_bible().tests["test"]
+    bible, ding, both = split_bible(), split_de_en(), config("translate", corpus="ding+bible").splits()
     assert both.train == bible.train + ding.train and both.val == bible.val + ding.val  # pooled, nothing lost
     assert both.tests == {"bible test": bible.tests["test"], "bible books": bible.tests["books"],
                           "ding test": ding.tests["test"]}  # each corpus's own test splits, named  # fmt: skip
     with pytest.raises(QkvError, match="unknown corpus"):
-        TranslateConfig(corpus="wiki")
+        config("translate", corpus="wiki")
     with pytest.raises(QkvError, match="give one"):
-        TranslateConfig(corpus="bible", data="pairs.tsv")
+        config("translate", corpus="bible", data="pairs.tsv")

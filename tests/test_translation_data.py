@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import config
 
 from qkv.cli import main
 from qkv.errors import QkvError
 from qkv.io.files import load_safetensors
 from qkv.tasks import load, train
-from qkv.tasks.translate import TranslateConfig
 from qkv.training import Hooks
 from qkv.translation.corpus import split_pairs_file
 
@@ -72,10 +72,10 @@ def test_init_from_starts_at_the_runs_weights(tmp_path: Path) -> None:
     data = _pairs_file(tmp_path / "numbers.tsv")
     tiny = dict(vocab_size=300, model={"d_model": 32, "n_heads": 2, "d_ff": 64, "n_encoder_layers": 1,
                 "n_decoder_layers": 1}, batch_size=120, eval_interval=3, device="cpu", data=str(data))  # fmt: skip
-    first = train(TranslateConfig(**tiny, max_steps=6, out_dir=str(tmp_path / "first")), verbose=False)
+    first = train(config("translate", **tiny, max_steps=6, out_dir=str(tmp_path / "first")), verbose=False)
     started: dict[str, torch.Tensor] = {}
     hooks = Hooks(on_model=lambda model: started.update({k: v.clone() for k, v in model.state_dict().items()}))
-    again = TranslateConfig(data=str(data), batch_size=120, eval_interval=3, device="cpu", max_steps=3,
+    again = config("translate", data=str(data), batch_size=120, eval_interval=3, device="cpu", max_steps=3,
                             init_from=str(first.run_dir), out_dir=str(tmp_path / "again"))  # fmt: skip
     train(again, verbose=False, hooks=hooks)
     best = load_safetensors(first.run_dir / "model.safetensors")
@@ -84,13 +84,13 @@ def test_init_from_starts_at_the_runs_weights(tmp_path: Path) -> None:
     assert continued.model.cfg == original.model.cfg
     assert continued.tokenizer.encode("eins zwei") == original.tokenizer.encode("eins zwei")
     with pytest.raises(QkvError, match="leave --vocab-size"):
-        TranslateConfig(init_from=str(first.run_dir), vocab_size=300)
+        config("translate", init_from=str(first.run_dir), vocab_size=300)
     with pytest.raises(QkvError, match="not a translation model"):
         lm_run = tmp_path / "lm"
         lm_run.mkdir()
         config = {"format": "qkv-run/1", "task": "lm", "model_type": "decoder_lm", "model": {}, "training": {}}
         (lm_run / "config.json").write_text(json.dumps(config))
-        train(TranslateConfig(data=str(data), init_from=str(lm_run), out_dir=str(tmp_path / "x")), verbose=False)
+        train(config("translate", data=str(data), init_from=str(lm_run), out_dir=str(tmp_path / "x")), verbose=False)
 
 
 BAD_FILES: list[tuple[str, bytes | None, str]] = [

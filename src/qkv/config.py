@@ -134,7 +134,7 @@ def _variant(cls: type[C], kind: Any, path: str) -> type[C]:
     found = kinds.get(kind)
     if found is None or not issubclass(found, cls):
         allowed = [k for k, v in kinds.items() if issubclass(v, cls)]
-        raise QkvError(f"unknown {path or 'kind'} {kind!r}; choose one of: {', '.join(allowed)}")
+        raise QkvError(f"unknown {path or 'kind'} {kind!r}; choose one of: {', '.join(sorted(allowed))}")
     return found
 
 

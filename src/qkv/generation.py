@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, overload
 
 import torch
 from torch import Tensor
 
 from qkv.attention import LayerCache, cache_length, crop_cache
 from qkv.errors import QkvError
+from qkv.tokenizers import Tokenizer
 
 
 class CausalLM(Protocol):
@@ -23,6 +24,7 @@ class CausalLM(Protocol):
 
     def __call__(self, ids: Tensor, cache: list[LayerCache] | None = None) -> Tensor: ...
     def new_cache(self, capacity: int = 256) -> list[LayerCache]: ...
+    def parameters(self) -> Iterator[torch.nn.Parameter]: ...
 
 
 def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
@@ -109,11 +111,12 @@ def stream(
         raise QkvError(f"max_new_tokens must be ≥ 0, got {max_new_tokens}")
     if ids.dim() != 2 or ids.shape[1] == 0:
         raise QkvError(f"the prompt must be a non-empty (B, T) tensor of ids, got shape {tuple(ids.shape)}")
+    check_token_ids(ids, _model_setting(model, "vocab_size"))
     if cache_length(cache) >= ids.shape[1]:
         raise QkvError(f"the cache holds {cache_length(cache)} tokens of a {ids.shape[1]}-token prompt; it must "
                        "hold fewer, so that at least the prompt's last token is read")  # fmt: skip
     if cache is None and use_cache:  # preallocated for the whole generation: it never regrows (and copies)
-        limit = getattr(getattr(model, "cfg", None), "max_positions", None) or 1 << 30
+        limit = _model_setting(model, "max_positions") or 1 << 30
         cache = model.new_cache(min(limit, ids.shape[1] + max_new_tokens))
     return _stream(model, ids, max_new_tokens, sampling, eos_id, cache)
 
@@ -124,7 +127,7 @@ def _stream(
     cache: list[LayerCache] | None,
 ) -> Iterator[Tensor]:  # fmt: skip
     """The generator behind stream (arguments already validated; cache None: none)."""
-    limit = getattr(getattr(model, "cfg", None), "max_positions", None) or 1 << 30
+    limit = _model_setting(model, "max_positions") or 1 << 30
     generator = sampling.generator(ids.device)
     finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     seq = ids
@@ -147,14 +150,41 @@ def _stream(
             return
 
 
+def _model_setting(model: CausalLM, name: str) -> Any:
+    """A qkv model's config setting (vocab_size, max_positions), or None for another model."""
+    return getattr(getattr(model, "cfg", None), name, None)
+
+
+def check_token_ids(ids: Tensor, vocab_size: int | None) -> None:
+    """Refuse ids outside [0, vocab_size) in one line (ids a user gave: a model's forward does not check them)."""
+    if vocab_size is not None and ids.numel() and bool(((ids < 0) | (ids >= vocab_size)).any()):
+        raise QkvError(f"token id out of range [0, {vocab_size}): got min {int(ids.min())}, max {int(ids.max())}")
+
+
+@overload
+def generate(model: CausalLM, prompt: str, max_new_tokens: int = 200, sampling: Sampling = ..., *,
+             tokenizer: Tokenizer | None = None, eos_id: int | None = None, use_cache: bool = True) -> str: ...
+@overload
+def generate(model: CausalLM, prompt: Tensor, max_new_tokens: int = 200, sampling: Sampling = ..., *,
+             tokenizer: Tokenizer | None = None, eos_id: int | None = None, use_cache: bool = True) -> Tensor: ...
 def generate(
     model: CausalLM,
-    ids: Tensor,
-    max_new_tokens: int,
+    prompt: str | Tensor,
+    max_new_tokens: int = 200,
     sampling: Sampling = Sampling(),
+    *,
+    tokenizer: Tokenizer | None = None,
     eos_id: int | None = None,
     use_cache: bool = True,
-) -> Tensor:
-    """ids (B, T) followed by up to max_new_tokens generated ids: (B, T + n)."""
-    steps = list(stream(model, ids, max_new_tokens, sampling, eos_id, use_cache))
-    return torch.cat([ids, torch.stack(steps, dim=1)], dim=1) if steps else ids
+) -> str | Tensor:
+    """The prompt's continuation: for text, the new text (the tokenizer's, up to its end-of-text token); for ids
+    (B, T), the ids followed by up to max_new_tokens generated ones, (B, T + n)."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise QkvError("generating from text needs the model's tokenizer: pass tokenizer=, or give token ids")
+        eos = tokenizer.eos_id if eos_id is None else eos_id
+        ids = tokenizer.encode_tensor(prompt)[None, :].to(next(model.parameters()).device)
+        tokens = [int(t[0]) for t in stream(model, ids, max_new_tokens, sampling, eos, use_cache)]
+        return tokenizer.decode(tokens[: tokens.index(eos)] if eos in tokens else tokens)
+    steps = list(stream(model, prompt, max_new_tokens, sampling, eos_id, use_cache))
+    return torch.cat([prompt, torch.stack(steps, dim=1)], dim=1) if steps else prompt

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.attention import LatentAttention
-from qkv.config import Config, probability
+from qkv.config import Config, option, probability
 from qkv.errors import QkvError
 
 # Every projection of attention and feed-forward, by qkv's module names (qkv.attention, qkv.blocks.feed_forward).
@@ -38,10 +38,11 @@ _REGEX_CHARS = set("*+?[]()|^$\\{}")  # a dot alone is a module path (self_attn.
 class LoRAConfig(Config):
     """Which Linear layers get adapters, of what rank, with what scale α and what dropout on their input."""
 
-    rank: int = 8
-    alpha: float | None = None  # None = 2 × rank
-    dropout: float = 0.0
-    targets: tuple[str, ...] = DEFAULT_TARGETS  # a plain name matches a module name's last part, a regex the whole
+    rank: int = option(8, "LoRA: train rank-R adapters beside the frozen weights of --init-from")
+    alpha: float | None = option(None, "LoRA's α: the update is scaled by α / rank (none: 2 × rank)")
+    dropout: float = option(0.0, "LoRA: dropout on the adapters' input")
+    targets: tuple[str, ...] = option(DEFAULT_TARGETS, "LoRA: the Linear layers adapted, comma-separated (a plain name "
+                                      "matches a module name's last part, a regex the whole name)")  # fmt: skip
 
     def check(self) -> None:
         """Refuse a rank below 1, a dropout outside [0, 1), a bad α and an empty or broken target list."""

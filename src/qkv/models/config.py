@@ -103,6 +103,14 @@ class ModelConfig(Config):
         """The dims rotary positions turn in each head of a stack's attention (the first stack's by default)."""
         return self.stack(stack or self.stacks[0]).blocks()[0].attention.rotary_dim(self.d_model)
 
+    @classmethod
+    def of(cls: type[M], **settings: Any) -> M:
+        """A config from short settings: the model's own fields, any other setting laid over them (`override`), as in
+        DecoderLMConfig.of(vocab_size=100, d_model=64, n_layers=2, n_heads=4)."""
+        own = {f.name for f in dataclasses.fields(cls)}
+        base = cls(**{k: v for k, v in settings.items() if k in own})
+        return base.override({k: v for k, v in settings.items() if k not in own})
+
     def override(self: M, settings: Mapping[str, Any]) -> M:
         """A new config with settings changed; keys may be full paths, short ones or flat keys (module docstring)."""
         full: dict[str, Any] = {}

@@ -28,7 +28,7 @@ from qkv.data.batches import random_windows, to_device
 from qkv.data.options import TokenizerRecipe
 from qkv.data.tokens import TokenData, TokenSplit
 from qkv.errors import QkvError
-from qkv.generation import Sampling, stream
+from qkv.generation import Sampling, generate
 from qkv.lora import LoRAConfig
 from qkv.models import DecoderLM, DecoderLMConfig, EmbeddingConfig
 from qkv.norms import NormConfig
@@ -268,14 +268,10 @@ class LMRun(LoadedRun):
     config_class: ClassVar[type[RunConfig[Any]]] = LMConfig
 
     def generate(self, prompt: str, max_new_tokens: int = 200, **sampling: Any) -> str:
-        """The prompt's continuation as text; sampling: Sampling's fields (temperature 0.8 unless given)."""
-        tokenizer = self.require_tokenizer()
-        ids = tokenizer.encode_tensor(prompt)[None, :].to(self.device)
-        steps = stream(self.model, ids, max_new_tokens, Sampling(**{"temperature": 0.8, **sampling}),
-                       eos_id=tokenizer.eos_id)  # fmt: skip
-        tokens = [int(t) for t in torch.stack(list(steps))[:, 0].tolist()] if max_new_tokens else []
-        eos = tokenizer.eos_id
-        return tokenizer.decode(tokens[: tokens.index(eos)] if eos in tokens else tokens)
+        """The prompt's continuation as text (qkv.generation.generate); sampling: Sampling's fields (temperature 0.8
+        unless given)."""
+        sampled = Sampling(**{"temperature": 0.8, **sampling})
+        return generate(self.model, prompt, max_new_tokens, sampled, tokenizer=self.require_tokenizer())
 
     def validation_data(self) -> TokenSplit:
         """The run's validation split, as training read it (no training shard is opened, nothing is tokenized

@@ -187,10 +187,18 @@ class RunConfig(Config, Generic[M]):
     def override(self: R, settings: Mapping[str, Any]) -> R:
         """A new config with settings changed: flags or dotted paths; model.* settings as the model config takes
         them (short paths and flat keys too)."""
+        settings = dict(settings)
+        whole = settings.pop("model", None)  # a model config replaces the model; a dict holds model settings
+        updated = self if not isinstance(whole, ModelConfig) else dataclasses.replace(self, model=whole)
+        if isinstance(whole, Mapping):
+            settings |= {f"model.{k}": v for k, v in whole.items()}
+        elif whole is not None and not isinstance(whole, ModelConfig):
+            raise QkvError(f"model must be a {self.model_class.__name__} or a dict of its settings, got {whole!r}")
         model = {k.removeprefix("model."): v for k, v in settings.items() if k.startswith("model.")}
         rest = {k: v for k, v in settings.items() if not k.startswith("model.")}
         rest = {k: absolute(v) if self.expand(k)[0] in self.paths else v for k, v in rest.items()}
-        updated = self if not model else dataclasses.replace(self, model=self.model.override(model))
+        if model:
+            updated = dataclasses.replace(updated, model=updated.model.override(model))
         return Config.override(updated, rest) if rest else updated
 
     def training_dict(self) -> dict[str, Any]:
