@@ -54,8 +54,8 @@ def run(cfg: LMConfig, target: float, verbose: bool) -> dict[str, Any]:
 def print_table(report: dict[str, Any]) -> None:
     """Each evaluation (loss, elapsed, training-only seconds), then the verdict."""
     cfg = report["training"]
-    print(f"Time to full-val loss ≤ {report['target']}: {cfg['max_steps']} steps, full-split eval every "
-          f"{cfg['eval_interval']}, {report['tokens_per_s']:,.0f} training tokens/s, {report['device']}, "
+    print(f"Time to full-val loss ≤ {report['target']}: {cfg['schedule']['max_steps']} steps, full-split eval every "
+          f"{cfg['eval']['interval']}, {report['tokens_per_s']:,.0f} training tokens/s, {report['device']}, "
           f"{report['threads']} thread(s)\n")  # fmt: skip
     print("| step | val loss | elapsed s | training-only s |\n|---:|---:|---:|---:|")
     for e in report["evals"]:

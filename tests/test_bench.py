@@ -80,8 +80,10 @@ def test_time_to_target_reads_full_split_evals(tmp_path: Path) -> None:
             "--set", "lr=1e-3", "--model", "n_layers=1", "--model", "positions=learned"]  # fmt: skip
     assert load_benchmark("time-to-target").main(argv) == 0
     report = _json(out)
-    assert report["training"]["batch_size"] == 3 and report["training"]["lr"] == 1e-3
-    assert report["training"]["model"]["n_layers"] == 1 and report["training"]["model"]["positions"] == "learned"
+    training = report["training"]
+    assert training["data"]["batch_size"] == 3 and training["optim"]["lr"] == 1e-3
+    assert training["model"]["decoder"]["n_layers"] == 1
+    assert training["model"]["embedding"]["positions"]["kind"] == "learned"
     assert report["tokens_per_s"] > 0
     assert [e["step"] for e in report["evals"]] == [2, 4]
     assert report["reached"] and report["step"] == 2

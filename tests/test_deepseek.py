@@ -114,7 +114,7 @@ def test_loader_skips_multi_token_prediction_layers(tmp_path: Path) -> None:
     safetensors.torch.save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert from_hf_deepseek_v3(directory).cfg.n_layers == 2
+        assert from_hf_deepseek_v3(directory).cfg.decoder.n_layers == 2
 
 
 @pytest.mark.parametrize(

@@ -154,7 +154,7 @@ def test_smollm2_round_trips_through_float32_gguf(tmp_path: Path) -> None:
 
 def test_refuses_a_gpt2_shaped_model_in_one_line(tmp_path: Path, tokenizer: ByteBPETokenizer) -> None:
     gpt2 = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=tokenizer.vocab_size, d_model=32, n_heads=4, n_layers=1))
-    with pytest.raises(QkvError, match=r"Llama-shaped.*positions='learned'") as err:
+    with pytest.raises(QkvError, match=r"Llama-shaped.*embedding.positions.kind='learned'") as err:
         save_gguf(gpt2, tmp_path / "gpt2.gguf", tokenizer)
     assert "\n" not in str(err.value) and not any(tmp_path.iterdir())
 

@@ -134,7 +134,8 @@ def test_gpt2_variants_sharded_untied_and_bare(tmp_path: Path) -> None:
     assert (directory / "model.safetensors.index.json").is_file()
     model = from_hf(directory)
     assert isinstance(model, DecoderLM)
-    assert model.cfg.activation == "relu" and not model.cfg.tie_embeddings and model.cfg.norm_eps == 1e-3
+    block = model.cfg.decoder.block
+    assert block.ffn.activation == "relu" and not model.cfg.tie_embeddings and block.norm.eps == 1e-3
     ids = torch.randint(0, VOCAB, (2, 9))
     with torch.no_grad():
         assert (model(ids) - hf(ids).logits).abs().max().item() <= TOL
@@ -154,7 +155,9 @@ def test_gpt2_variants_sharded_untied_and_bare(tmp_path: Path) -> None:
 def test_llama_untied_with_biases(tmp_path: Path) -> None:
     hf = _llama(tie_word_embeddings=False, attention_bias=True, mlp_bias=True, num_key_value_heads=1)
     model = from_hf(_save(hf, tmp_path))
-    assert isinstance(model, DecoderLM) and model.cfg.bias and model.cfg.n_kv_heads == 1
+    assert isinstance(model, DecoderLM)
+    attention = model.cfg.decoder.block.attention
+    assert attention.bias and model.cfg.decoder.block.ffn.bias and getattr(attention, "n_kv_heads", None) == 1
     ids = torch.randint(0, VOCAB, (2, 9))
     with torch.no_grad():
         assert (model(ids) - hf(ids).logits).abs().max().item() <= TOL
@@ -177,7 +180,8 @@ def test_bert_matches_transformers_with_padding_and_token_types(tmp_path: Path) 
     hf = BertModel(hf_cfg).eval()
     model = from_hf(_save(hf, tmp_path))
     assert isinstance(model, EncoderModel)
-    assert model.cfg.norm_eps == 1e-12 and model.cfg.norm_placement == "post" and model.pooler is not None
+    block = model.cfg.encoder.block
+    assert block.norm.eps == 1e-12 and block.norm_placement == "post" and model.pooler is not None
     ids = torch.randint(0, VOCAB, (3, 11))
     mask = torch.arange(11)[None, :] < torch.tensor([11, 6, 2])[:, None]  # right padding
     types = (torch.arange(11)[None, :] >= 4).long().expand(3, -1)
@@ -232,16 +236,18 @@ def test_bart_matches_transformers_with_padding(scale_embedding: bool, tmp_path:
 # Export: qkv → transformers
 # ---------------------------------------------------------------------------------------------
 
-_GPT2_SHAPED: dict[str, Any] = dict(positions="learned", norm="layer", activation="gelu_tanh", bias=True)
+# final_norm given, as both families' configs say it: the config read back from the export is then the same one.
+_GPT2_SHAPED: dict[str, Any] = dict(positions="learned", norm="layer", activation="gelu_tanh", bias=True,
+                                    final_norm=True)  # fmt: skip
 _LLAMA_SHAPED: dict[str, Any] = dict(
-    positions="rotary", norm="rms", activation="swiglu", bias=False, n_kv_heads=2, rope_base=300.0
+    positions="rotary", norm="rms", activation="swiglu", bias=False, n_kv_heads=2, rope_base=300.0, final_norm=True
 )
 
 
 @pytest.mark.parametrize("shape", [_GPT2_SHAPED, _LLAMA_SHAPED], ids=["gpt2", "llama"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_save_hf_round_trip(shape: dict[str, Any], tied: bool, tmp_path: Path) -> None:
-    cfg = model_cfg(DecoderLMConfig, 
+    cfg = model_cfg(DecoderLMConfig,
         vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=2, d_ff=48, max_positions=64, tie_embeddings=tied, **shape
     )
     model = DecoderLM(cfg).eval()
@@ -262,11 +268,12 @@ def test_save_hf_round_trip(shape: dict[str, Any], tied: bool, tmp_path: Path) -
 
 def test_save_hf_refuses_models_without_an_hf_family(tmp_path: Path) -> None:
     cfg = model_cfg(DecoderLMConfig, vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=1, positions="sinusoidal")
-    with pytest.raises(QkvError, match=r"not GPT-2: positions='sinusoidal'.*not Llama"):
+    with pytest.raises(QkvError, match=r"not GPT-2: embedding.positions=SinusoidalPositionsConfig.*not Llama"):
         save_hf(DecoderLM(cfg), tmp_path)
     llama_like = {k: v for k, v in _LLAMA_SHAPED.items() if k != "n_kv_heads"}  # MLA has no K/V head count
-    latent = model_cfg(DecoderLMConfig, vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=1, attention="mla", **llama_like)
-    with pytest.raises(QkvError, match=r"not Llama: attention='mla'"):  # rotary + RMS + SwiGLU, yet not a Llama
+    latent = model_cfg(DecoderLMConfig, vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=1, attention="mla",
+                       **llama_like)  # fmt: skip
+    with pytest.raises(QkvError, match=r"not Llama: decoder.block.attention.kind='mla'"):  # rotary, RMS, SwiGLU
         save_hf(DecoderLM(latent), tmp_path)
     assert not any(tmp_path.iterdir())  # refused before writing anything
 
@@ -333,13 +340,13 @@ def test_custom_code_is_refused(tmp_path: Path) -> None:
 
 
 def test_new_core_options_default_to_old_behaviour() -> None:
-    """embedding_norm / position_offset / output_bias change nothing unless asked for."""
+    """An embedding norm, a position offset and an output bias change nothing unless asked for."""
     lm = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=1))
     assert lm.embed.norm is None and lm.embed.positions is not None
     assert lm.embed.positions.weight.shape == (1024, 32)
     tr = Transformer(model_cfg(TransformerConfig, src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, d_model=32, n_heads=4))
     assert tr.generator.bias is None and tr.src_embed.norm is None
-    with pytest.raises(QkvError, match="position_offset"):
+    with pytest.raises(QkvError, match=r"embedding.positions has no field 'offset'"):  # learned positions' alone
         model_cfg(DecoderLMConfig, vocab_size=VOCAB, positions="rotary", position_offset=2)
 
 
@@ -382,11 +389,15 @@ def test_convert_encoder_decoder_and_errors(tmp_path: Path, capsys: pytest.Captu
         assert (model(s, t) - hf(input_ids=s, decoder_input_ids=t).logits).abs().max().item() <= TOL
     capsys.readouterr()
     assert cli_main(["convert", str(src), str(tmp_path / "out")]) == 2  # not empty
-    assert cli_main(["convert", str(src), str(tmp_path / "out2"), "--to", "hf"]) == 2  # BART: qkv only
     assert cli_main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "out3")]) == 2
     err = capsys.readouterr().err
-    assert "not empty" in err and "BART converts to qkv only" in err and "model not found" in err
-    assert len(err.strip().splitlines()) == 3  # one line per failure, no traceback
+    assert "not empty" in err and "model not found" in err
+    assert len(err.strip().splitlines()) == 2  # one line per failure, no traceback
+    assert cli_main(["convert", str(src), str(tmp_path / "hf"), "--to", "hf"]) == 0  # BART exports back, as BART
+    again = BartForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        assert (again(input_ids=s, decoder_input_ids=t).logits - hf(input_ids=s, decoder_input_ids=t).logits
+                ).abs().max().item() <= TOL  # fmt: skip
 
 
 def test_from_hf_is_exported_and_needs_no_transformers(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from transformers import MarianConfig, MarianMTModel, MarianTokenizer
 from qkv import QkvError, Transformer, TransformerConfig
 from qkv.cli import main as cli_main
 from qkv.interop import from_hf, read_marian_tokenizer
+from qkv.positional import SinusoidalPositionsConfig
 from qkv.interop.qkv_dir import save_qkv
 from qkv.translation.batching import Specials, source_tensor
 from qkv.translation.decoding import greedy_decode
@@ -162,7 +163,9 @@ def test_logits_match_transformers(marian_dir: Path) -> None:
     hf, model, tokenizer = _hf_model(marian_dir), from_hf(marian_dir), _hf_tokenizer(marian_dir)
     assert isinstance(model, Transformer)
     cfg = model.cfg
-    assert (cfg.sinusoid_layout, cfg.activation, cfg.norm_placement) == ("halves", "silu", "post") and cfg.output_bias
+    block = cfg.decoder.block
+    assert cfg.embedding.positions == SinusoidalPositionsConfig(layout="halves") and cfg.output_bias
+    assert (block.ffn.activation, block.norm_placement) == ("silu", "post")
     assert model.generator.bias is not None and model.generator.bias.abs().min() > 0
     batch = tokenizer(SENTENCES, return_tensors="pt", padding=True)
     pad = cfg.pad_id
@@ -259,7 +262,7 @@ def _marian_shaped(vocab_size: int, **overrides: Any) -> Transformer:
     fields: dict[str, Any] = dict(
         src_vocab_size=vocab_size, tgt_vocab_size=vocab_size, d_model=32, n_heads=4, d_ff=48, n_encoder_layers=2,
         n_decoder_layers=1, positions="sinusoidal", sinusoid_layout="halves", activation="silu", norm_placement="post",
-        share_embeddings=True, output_bias=True, pad_id=vocab_size - 1, max_positions=64, dropout=0.0,
+        share_embeddings=True, output_bias=True, pad_id=vocab_size - 1, max_positions=64, dropout=0.0, final_norm=False,
     )  # fmt: skip
     model = Transformer(model_cfg(TransformerConfig, **{**fields, **overrides})).eval()
     with torch.no_grad():
@@ -285,14 +288,15 @@ def test_qkv_to_marian_and_back_keeps_the_logits(tmp_path: Path, capsys: pytest.
         assert (hf(input_ids=src, decoder_input_ids=tgt).logits - ours).abs().max().item() <= TOL
         assert torch.equal(again(src, tgt), ours)
     capsys.readouterr()
-    paper_cfg = model_cfg(TransformerConfig, src_vocab_size=50, tgt_vocab_size=50, d_model=16, n_heads=2, n_encoder_layers=1,
-                                  n_decoder_layers=1, norm_placement="pre")  # fmt: skip
+    paper_cfg = model_cfg(TransformerConfig, src_vocab_size=50, tgt_vocab_size=50, d_model=16, n_heads=2,
+                          n_encoder_layers=1, n_decoder_layers=1, norm_placement="pre")  # fmt: skip
     paper = Transformer(paper_cfg)
     save_qkv(paper, tmp_path / "paper")
     assert cli_main(["convert", str(tmp_path / "paper"), str(tmp_path / "hf2"), "--to", "hf"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "not Marian" in err
-    assert "sinusoid_layout='interleaved' (needs 'halves')" in err and "norm_placement='pre'" in err
+    assert "embedding.positions=SinusoidalPositionsConfig(layout='interleaved') (needs" in err
+    assert "encoder.block.norm_placement='pre'" in err
     assert not (tmp_path / "hf2").exists() or not any((tmp_path / "hf2").iterdir())
 
 
@@ -365,7 +369,6 @@ def test_cli_translate_prints_what_generate_decodes(
          "share_encoder_decoder_embeddings=False"),
         ("config.json", {"layernorm_embedding": True}, "layernorm_embedding=True"),
         ("config.json", {"activation_function": "tanh"}, "activation='tanh'"),
-        ("config.json", {"decoder_attention_heads": 2}, "encoder_attention_heads≠decoder_attention_heads"),
         ("generation_config.json", {"bad_words_ids": [[5]]}, "bad_words_ids=[[5]]"),
     ],
 )  # fmt: skip
@@ -435,9 +438,9 @@ def test_init_from_a_marian_directory_fine_tunes_it(
     started: dict[str, torch.Tensor] = {}
     hooks = Hooks(on_model=lambda model: started.update({k: v.clone() for k, v in model.state_dict().items()}))
     run_dir = tmp_path / "tuned"
-    config = config("translate", data=str(data), init_from=str(marian_dir), batch_size=300, max_steps=8, eval_interval=4,
-                             lr=1e-3, warmup_steps=2, device="cpu", out_dir=str(run_dir))  # fmt: skip
-    result = train(config, verbose=False, hooks=hooks)
+    cfg = config("translate", data=str(data), init_from=str(marian_dir), batch_size=300, max_steps=8, eval_interval=4,
+                 lr=1e-3, warmup_steps=2, device="cpu", out_dir=str(run_dir))  # fmt: skip
+    result = train(cfg, verbose=False, hooks=hooks)
     original = from_hf(marian_dir).state_dict()
     assert started.keys() == original.keys() and all(torch.equal(started[k], original[k]) for k in original)
     losses = [row["train_loss"] for row in result.metrics]
@@ -453,7 +456,7 @@ def test_init_from_a_marian_directory_fine_tunes_it(
     assert cli_main(["eval", str(run_dir), "--beam", "2"]) == 0
     assert "test  beam 2: BLEU" in capsys.readouterr().out
     assert cli_main(["train", "translate", "--resume", "--out-dir", str(run_dir), "--max-steps", "10"]) == 0
-    assert load(run_dir, checkpoint="last").config.max_steps == 10
+    assert load(run_dir, checkpoint="last").config.schedule.max_steps == 10
     # Back to a MarianMT directory, tokenizer included: transformers computes what qkv does.
     assert cli_main(["convert", str(run_dir), str(tmp_path / "hf"), "--to", "hf"]) == 0
     batch = _hf_tokenizer(tmp_path / "hf")(SENTENCES[:3], return_tensors="pt", padding=True)

@@ -92,8 +92,8 @@ def _read(src: Path, base: str | None = None) -> _Source:
     ckpt = read_checkpoint(src)
     family = family_of(ckpt.config)
     model = from_hf(ckpt)
-    if family is not marian.FAMILY:
-        ids = {k: ckpt.config.get(k) for k in _TOKEN_IDS[:3]}
+    if family is not marian.FAMILY:  # an encoder–decoder's (BART's) decoder start and forced eos too
+        ids = {k: ckpt.config.get(k) for k in (_TOKEN_IDS if family.exports == "transformer" else _TOKEN_IDS[:3])}
         metadata = {k: ckpt.config[k] for k in ("chat_template", "gguf_pre_tokenizer") if ckpt.config.get(k)}
         return _Source(model, tokenizer_from_hf(ckpt), family.name, family.config_to_hf is not None, ids,
                        metadata=metadata)  # fmt: skip
@@ -122,9 +122,9 @@ def _write_hf(source: _Source, dst: Path) -> None:
 
     model = source.model
     if not source.exportable:
-        raise QkvError(f"--to hf writes GPT-2, Llama and Marian models; {source.name} converts to qkv only")
+        raise QkvError(f"--to hf writes GPT-2, Llama, BART and Marian models; {source.name} converts to qkv only")
     if not isinstance(model, (DecoderLM, Transformer)):
-        raise QkvError(f"--to hf writes GPT-2, Llama and Marian models, not a {type(model).__name__}")
+        raise QkvError(f"--to hf writes GPT-2, Llama, BART and Marian models, not a {type(model).__name__}")
     export_family(model)  # refuses, naming what keeps the model from each family, before anything is written
     ids = source.token_ids or {k: v for k, v in source.metadata.items() if k in _TOKEN_IDS}
     if isinstance(model, Transformer) and source.name == "qkv" and not isinstance(source.tokenizer, MarianTokenizer):

@@ -42,8 +42,9 @@ def _side(hf: dict[str, Any], side: str, name: str) -> StackConfig:
     block = BlockConfig(
         attention=MultiHeadAttentionConfig(n_heads=hf_value(hf, f"{side}_attention_heads", name),
                                            dropout=hf_value(hf, "attention_dropout", name, 0.0)),
-        ffn=FeedForwardConfig(d_ff=hf_value(hf, f"{side}_ffn_dim", name), dropout=hf_value(hf, "activation_dropout",
-                              name, 0.0), activation=activation_from_hf(hf_value(hf, "activation_function", name,
+        # qkv drops the feed-forward's hidden layer with the residual's p (transformers: activation_dropout)
+        ffn=FeedForwardConfig(d_ff=hf_value(hf, f"{side}_ffn_dim", name), dropout=hf_value(hf, "dropout",
+                              name, 0.1), activation=activation_from_hf(hf_value(hf, "activation_function", name,
                               "gelu"), name)),
         norm=NormConfig(eps=1e-5),  # nn.LayerNorm's default: neither config has an ε
         norm_placement="post",
@@ -137,11 +138,13 @@ def seq2seq_export_problems(cfg: TransformerConfig) -> list[str]:
     wanted: dict[str, object] = {"share_embeddings": True, "embedding.type_vocab_size": 0}
     for side in cfg.stacks:
         wanted |= {f"{side}.block.norm.kind": "layer", f"{side}.block.norm.eps": 1e-5, f"{side}.block.norm.bias": True,
-                   f"{side}.block.norm_placement": "post", f"{side}.final_norm": False,
-                   f"{side}.block.attention.bias": True, f"{side}.block.ffn.bias": True}  # fmt: skip
+                   f"{side}.block.norm_placement": "post", f"{side}.block.attention.bias": True,
+                   f"{side}.block.ffn.bias": True}  # fmt: skip
     problems = mismatches(cfg, wanted)
     for side in cfg.stacks:
         block = cfg.stack(side).block
+        if cfg.stack(side).has_final_norm():
+            problems.append(f"{side}.final_norm=True (needs none: BART and Marian end each side with the last block)")
         if block.ffn.activation == "swiglu":
             problems.append(f"{side}.block.ffn.activation='swiglu' (needs silu, relu, gelu or gelu_tanh)")
         if kv_heads(block) != block.attention.n_heads:

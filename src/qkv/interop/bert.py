@@ -33,7 +33,7 @@ def config_from_hf(hf: dict[str, Any], tensor_names: Collection[str]) -> Encoder
     block = BlockConfig(
         attention=MultiHeadAttentionConfig(n_heads=hf_value(hf, "num_attention_heads", NAME),
                                            dropout=hf_value(hf, "attention_probs_dropout_prob", NAME, 0.1)),
-        ffn=FeedForwardConfig(d_ff=hf_value(hf, "intermediate_size", NAME), dropout=0.0,  # none on its hidden layer
+        ffn=FeedForwardConfig(d_ff=hf_value(hf, "intermediate_size", NAME), dropout=dropout,
                               activation=activation_from_hf(hf_value(hf, "hidden_act", NAME, "gelu"), NAME)),
         norm=norm_cfg,
         norm_placement="post",

@@ -49,7 +49,7 @@ def config_from_hf(hf: dict[str, Any], tensor_names: Collection[str]) -> Decoder
         attention=MultiHeadAttentionConfig(n_heads=hf_value(hf, "n_head", NAME),
                                            dropout=hf_value(hf, "attn_pdrop", NAME, 0.1)),
         ffn=FeedForwardConfig(d_ff=hf_value(hf, "n_inner", NAME, 4 * d_model), activation=activation,
-                              dropout=0.0),  # GPT-2 drops none of its MLP's hidden layer
+                              dropout=dropout),  # as qkv always has: the residual's p on the hidden layer too
         norm=NormConfig(eps=hf_value(hf, "layer_norm_epsilon", NAME, 1e-5)),
         norm_placement="pre",
         dropout=dropout,
