@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 import qkv
-from qkv.blocks.lora import LoRALinear, LoRASpec, add_lora, count_parameters, lora_modules, merge_lora
+from qkv.lora import LoRALinear, LoRAConfig, add_lora, count_parameters, lora_modules, merge_lora
 from qkv.extras import package_file
 from qkv.finetune import load_base, load_lora_run
 from qkv.generation import GREEDY, generate
@@ -75,7 +75,7 @@ with torch.no_grad():
     base_logits = model(ids)
 base_total = count_parameters(model)[1]
 
-spec = LoRASpec(rank=8, alpha=16.0)
+spec = LoRAConfig(rank=8, alpha=16.0)
 adapted = add_lora(model, spec)  # in place: every parameter frozen, adapters beside the target layers
 adapters = lora_modules(model)
 trainable, total = count_parameters(model)

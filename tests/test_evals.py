@@ -209,7 +209,7 @@ def test_bench_prints_a_table_and_keeps_json_beside_the_run(runs: dict[str, Path
 
 def test_a_lora_run_is_scored_merged_onto_its_base(runs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     """The LoRA run's scores are its merged model's: equal to scoring that model directly."""
-    from qkv.finetune.runs import load_lora_run
+    from qkv.finetune import load_lora_run
 
     from qkv.evals.models import load_eval_model
     from qkv.evals.run import run_benchmark

@@ -19,7 +19,7 @@ from qkv.cli import main
 from qkv.data import load_shakespeare
 from qkv.io.files import atomic_save_safetensors
 from qkv.tasks import load
-from qkv.tasks.lm import FINETUNE_DEFAULTS
+from qkv.tasks.finetune import LORA_LR, SETTINGS
 
 TINY = ["--n-layers", "2", "--d-model", "32", "--n-heads", "2", "--block-size", "32", "--batch-size", "4",
         "--sample-tokens", "0", "--device", "cpu"]  # fmt: skip
@@ -57,10 +57,11 @@ def test_a_lora_run_trains_only_adapters_and_records_its_base(
     config = json.loads((tmp_path / "lora" / "config.json").read_text())
     assert config["base"]["path"] == str(base.resolve()) and len(config["base"]["sha256"]) == 64
     training = config["training"]
-    for name, value in FINETUNE_DEFAULTS[True].items():  # fine-tuning's defaults, not the speedrun's Muon at 1e-2
-        if name not in ("max_steps", "eval_interval", "eval_tokens", "sample_tokens"):
-            assert training[name] == value, name
-    assert (training["lora_rank"], training["lora_alpha"]) == (4, 8.0)
+    optim = training["optim"]  # fine-tuning's recipe, not the speedrun's Muon at 1e-2
+    assert (optim["name"], optim["lr"], optim["weight_decay"], optim["beta2"]) == ("adamw", LORA_LR, 0.0, 0.999)
+    assert training["schedule"]["warmup_steps"] == SETTINGS["schedule.warmup_steps"]
+    assert (training["lora"]["rank"], training["lora"]["alpha"]) == (4, None)  # α: 2 × rank
+    assert load(tmp_path / "lora").config.lora.effective_alpha == 8.0
     saved = load_file(tmp_path / "lora" / "model.safetensors")
     assert saved and all(".lora_" in name for name in saved)  # adapters only: the base is referenced, not copied
     assert len(saved) == 2 * 7 * 2
@@ -135,8 +136,8 @@ def test_bad_fine_tuning_input_is_refused_in_one_line(
     _assert_error(train("--init-from", b, "--tokenizer", "char"),
                   "--tokenizer contradict(s) --init-from: the tokenizer is the checkpoint's; drop --tokenizer")
     _assert_error(train("--init-from", b, "--n-layers", "5"),
-                  "--model n_layers=5 contradicts --init-from: the architecture is the checkpoint's (it has "
-                  "n_layers=2); drop it (only dropout and attention_dropout may change)")  # fmt: skip
+                  "the architecture of --init-from is fixed: it has decoder.n_layers=2, the run asks for "
+                  "decoder.n_layers=5; drop that setting (only the dropouts may change when fine-tuning)")  # fmt: skip
     _assert_error(train("--lora-rank", "4"),
                   "--lora-rank and the other LoRA settings adapt a pretrained model; add --init-from CHECKPOINT")
 
@@ -216,8 +217,7 @@ def test_more_bad_fine_tuning_input_in_one_line(
     code, _, err = train("--lora-rank", "4", "--lora-targets", "[")
     assert code == 2 and err.startswith("qkv train: error: --lora-targets '[' is not a valid regex (")
     _assert_error(train("--model", "dropout=abc"),
-                  "invalid model setting in {'dropout': 'abc'}: '<=' not supported between instances of 'float' "
-                  "and 'str'")  # fmt: skip
+                  "--model dropout=abc: embedding.dropout must be a number, got 'abc'")
     _assert_error(train("--lora-rank", "4", "--strategy", "fsdp"),
                   "LoRA trains on one process or with --strategy ddp (its frozen base is not sharded); drop "
                   "--strategy fsdp")  # fmt: skip

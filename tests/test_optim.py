@@ -80,7 +80,7 @@ def test_muon_takes_the_block_matrices_and_adamw_the_rest(model: str) -> None:
     net: nn.Module = _tiny_transformer()
     if model == "decoder_lm":
         net = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=50, d_model=16, n_heads=2, n_layers=2, max_positions=8))
-    optimizer = make_optimizer(net, config("translate", optimizer="muon"))
+    optimizer = make_optimizer(net, config("translate", optimizer="muon").optim)
     muon, decay, no_decay = optimizer.param_groups
     names = {id(p): n for n, p in net.named_parameters()}
     muon_names = sorted(names[id(p)] for p in muon["params"])
@@ -99,7 +99,7 @@ def test_adamw_groups_of_muon_step_exactly_like_adamw() -> None:
     torch.manual_seed(3)
     net, twin = _tiny_transformer(), _tiny_transformer()
     twin.load_state_dict(net.state_dict())
-    hybrid = make_optimizer(net, config("translate", optimizer="muon", fused_optimizer=False))
+    hybrid = make_optimizer(net, config("translate", optimizer="muon", fused_optimizer=False).optim)
     lr, decay = hybrid.defaults["lr"], hybrid.param_groups[0]["weight_decay"]
     matrices = block_matrices(twin)
     rest = [p for p in twin.parameters() if all(p is not m for m in matrices)]
@@ -119,9 +119,9 @@ def test_adamw_groups_of_muon_step_exactly_like_adamw() -> None:
 
 def test_the_language_model_and_translation_recipes_use_muon() -> None:
     """Muon is the default of both (with FSDP too: tests/test_tasks.py trains every task sharded like one process)."""
-    assert config("lm").optimizer == "muon" and config("translate").optimizer == "muon"
-    assert config("lm", optimizer="muon", strategy="fsdp").strategy == "fsdp"
-    with pytest.raises(QkvError, match="unknown optimizer 'sgd'"):
+    assert config("lm").optim.name == "muon" and config("translate").optim.name == "muon"
+    assert config("lm", optimizer="muon", strategy="fsdp").system.strategy == "fsdp"
+    with pytest.raises(QkvError, match="--optimizer must be one of adamw, muon, got 'sgd'"):
         config("lm", optimizer="sgd")
 
 

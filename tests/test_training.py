@@ -260,7 +260,7 @@ def _save(run: Path, model: DecoderLM, opt: torch.optim.Optimizer, gen: torch.Ge
 def _load(run: Path) -> tuple[dict[str, torch.Tensor], int]:
     """The weights and step of the committed checkpoint, loaded into a fresh model."""
     model = _tiny_lm()
-    extra = ckpt.load_checkpoint(run, model, make_optimizer(model, config("lm")), {"data": torch.Generator()}, ONE, set())
+    extra = ckpt.load_checkpoint(run, model, make_optimizer(model, config("lm").optim), {"data": torch.Generator()}, ONE, set())
     return model.state_dict(), extra["step"]
 
 
@@ -271,7 +271,7 @@ def test_a_save_that_dies_before_its_commit_keeps_the_previous_checkpoint(
     the next save of that step replaces its leftover, and a committed save removes the older step directories."""
     torch.manual_seed(0)
     model = _tiny_lm()
-    opt = make_optimizer(model, config("lm"))
+    opt = make_optimizer(model, config("lm").optim)
     gen = torch.Generator().manual_seed(5)
     run = tmp_path / "run"
     _step(model, opt, gen)
@@ -304,7 +304,7 @@ def test_checkpoint_metadata_cannot_run_code(tmp_path: Path) -> None:
     before it is called, and a checkpoint holds no pickled Python objects besides it (hyperparameters are JSON)."""
     torch.manual_seed(0)
     model = _tiny_lm()
-    opt = make_optimizer(model, config("lm"))
+    opt = make_optimizer(model, config("lm").optim)
     gen = torch.Generator()
     _step(model, opt, gen)
     run = tmp_path / "run"

@@ -32,6 +32,7 @@ class Config:
 
     kind: ClassVar[str] = ""  # a variant's name in JSON and on the command line ("mha", "moe", "rotary", …)
     variants: ClassVar[dict[str, type[Config]] | None] = None  # set on a config that comes in kinds
+    named_errors: ClassVar[bool] = True  # its errors start with its path (False: they name a flag themselves)
 
     def __post_init__(self) -> None:
         """Check each field's type, then the config's own rules."""
@@ -74,7 +75,8 @@ class Config:
         try:
             return target(**values)
         except QkvError as e:
-            raise QkvError(f"{path}: {e}" if path and not str(e).startswith(path) else str(e)) from None
+            named = not path or not target.named_errors or str(e).startswith((path, "--"))
+            raise QkvError(str(e) if named else f"{path}: {e}") from None
 
     def override(self: C, settings: Mapping[str, Any]) -> C:
         """A new config with `settings` (dotted path → value) changed, checked as a whole.

@@ -20,13 +20,14 @@ import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.attention import LatentAttention
-from qkv.config import Config, option, probability
+from qkv.config import Config, option
 from qkv.errors import QkvError
 
 # Every projection of attention and feed-forward, by qkv's module names (qkv.attention, qkv.blocks.feed_forward).
@@ -38,6 +39,8 @@ _REGEX_CHARS = set("*+?[]()|^$\\{}")  # a dot alone is a module path (self_attn.
 class LoRAConfig(Config):
     """Which Linear layers get adapters, of what rank, with what scale α and what dropout on their input."""
 
+    named_errors: ClassVar[bool] = False  # its messages name the flags
+
     rank: int = option(8, "LoRA: train rank-R adapters beside the frozen weights of --init-from")
     alpha: float | None = option(None, "LoRA's α: the update is scaled by α / rank (none: 2 × rank)")
     dropout: float = option(0.0, "LoRA: dropout on the adapters' input")
@@ -48,7 +51,8 @@ class LoRAConfig(Config):
         """Refuse a rank below 1, a dropout outside [0, 1), a bad α and an empty or broken target list."""
         if self.rank < 1:
             raise QkvError(f"--lora-rank must be a positive integer, got {self.rank!r}; try 8")
-        probability(self, "dropout")
+        if not 0.0 <= self.dropout < 1.0:
+            raise QkvError(f"--lora-dropout must be in [0, 1), got {self.dropout}")
         if self.alpha is not None and self.alpha <= 0:
             raise QkvError(f"--lora-alpha must be positive, got {self.alpha}")
         if not self.targets:

@@ -34,6 +34,8 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 class OptimConfig(Config):
     """The optimiser."""
 
+    named_errors: ClassVar[bool] = False  # its messages name the flags
+
     name: Optimizer = option("adamw", "adamw, or muon: Muon for the blocks' matrices, AdamW for the rest",
                              fixed=True, flag="optimizer")  # fmt: skip
     lr: float = option(3e-3, "peak learning rate")
@@ -60,6 +62,8 @@ class OptimConfig(Config):
 class ScheduleConfig(Config):
     """The learning rate over the run, and its length."""
 
+    named_errors: ClassVar[bool] = False  # its messages name the flags
+
     decay: Schedule = option("cosine", "the decay after warmup", flag="schedule")
     warmup_steps: int = option(100, "linear warmup steps")
     max_steps: int = option(600, "optimiser steps (the schedule's length)")
@@ -80,6 +84,8 @@ class ScheduleConfig(Config):
 class DataConfig(Config):
     """How much each step reads."""
 
+    named_errors: ClassVar[bool] = False  # its messages name the flags
+
     batch_size: int = option(8, "examples per micro-batch and process, in the task's unit", fixed=True)
     grad_accum: int = option(1, "micro-batches per optimiser step", fixed=True)
 
@@ -94,6 +100,8 @@ class DataConfig(Config):
 class EvalConfig(Config):
     """When the run evaluates (and saves)."""
 
+    named_errors: ClassVar[bool] = False  # its messages name the flags
+
     interval: int = option(300, "steps between evaluations and checkpoints", flag="eval_interval")
 
     def check(self) -> None:
@@ -105,6 +113,8 @@ class EvalConfig(Config):
 @dataclass(frozen=True, kw_only=True)
 class SystemConfig(Config):
     """Where and how the run computes."""
+
+    named_errors: ClassVar[bool] = False  # its messages name the flags
 
     device: str = option("auto", "auto, cpu, cuda, cuda:N or mps")
     dtype: Dtype = option("auto", "autocast dtype, weights stay float32 (auto: bfloat16 with TF32 matmuls on CUDA, "
@@ -130,6 +140,8 @@ class SystemConfig(Config):
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig(Config):
     """Where the run lives, and how it saves."""
+
+    named_errors: ClassVar[bool] = False  # its messages name the flags
 
     out_dir: str | None = option(None, "run directory (none: runs/<task name>-<date>-<time>)")
     resume: bool = option(False, "continue the run in --out-dir")
@@ -169,11 +181,18 @@ class RunConfig(Config, Generic[M]):
 
     @classmethod
     def from_dict(cls: type[R], data: Mapping[str, Any], path: str = "") -> R:
-        """Build from a dict; its model entry as the task's kind of model config."""
+        """Build from a dict; its model entry as the task's kind of model config; errors name the flags."""
         data = dict(data)
         if isinstance(data.get("model"), Mapping):
             data["model"] = cls.model_class.from_dict(data["model"], "model")
-        return super().from_dict(data, path)
+        try:
+            return super().from_dict(data, path)
+        except QkvError as e:
+            message = str(e)
+            for flag, where in cls.flags().items():  # "optim.name must be …" → "--optimizer must be …"
+                if message.startswith(f"{where} "):
+                    message = f"--{flag.replace('_', '-')}{message[len(where):]}"
+            raise QkvError(message) from None
 
     @classmethod
     def flags(cls) -> dict[str, str]:
@@ -198,7 +217,7 @@ class RunConfig(Config, Generic[M]):
         rest = {k: v for k, v in settings.items() if not k.startswith("model.")}
         rest = {k: absolute(v) if self.expand(k)[0] in self.paths else v for k, v in rest.items()}
         if model:
-            updated = dataclasses.replace(updated, model=updated.model.override(model))
+            updated = dataclasses.replace(updated, model=_model_override(updated.model, model))
         return Config.override(updated, rest) if rest else updated
 
     def training_dict(self) -> dict[str, Any]:
@@ -249,6 +268,19 @@ class RunConfig(Config, Generic[M]):
             raise QkvError(f"--model cannot change on --resume (the run has {changed}={before.get(changed)!r}); "
                            "drop it")  # fmt: skip
         return resumed
+
+
+def _model_override(model: M, settings: dict[str, Any]) -> M:
+    """model.override(settings), whose one-line error names the setting given that it comes from, where one does."""
+    try:
+        return model.override(settings)
+    except QkvError as e:
+        for key, value in settings.items():
+            try:
+                model.override({key: value})
+            except QkvError:
+                raise QkvError(f"--model {key}={value}: {e}") from None
+        raise
 
 
 def setting_fields(cls: type[Config], path: str = "",
