@@ -21,10 +21,11 @@ M = TypeVar("M", bound=ModelConfig)
 
 
 def config(task: str = "lm", **settings: Any) -> Any:
-    """A task's run config: its recipe with the settings (flags, dotted paths, model={…}) over it."""
-    from qkv.tasks import recipe
+    """A task's run config: its recipe with the settings (flags, dotted paths, model={…}) over it; with resume=True,
+    the stored config of the run in out_dir with the settings over it."""
+    from qkv.tasks import recipe, resumed
 
-    return recipe(task, settings)
+    return resumed(task, settings) if settings.get("resume") else recipe(task, settings)
 
 
 def model_cfg(cls: type[M], **settings: Any) -> M:

@@ -66,7 +66,7 @@ def _tiny_config(corpus: Path, out_dir: Path, max_steps: int, **overrides: Any) 
 
     Like the CLI, the --n-layers etc. values are laid over the default recipe's model fields.
     """
-    model = {**config("lm").model, **MODEL}
+    model = dict(MODEL)  # over the recipe's model
     settings: dict[str, Any] = {"data": str(corpus), "model": model, "block_size": 32, "batch_size": 4,
                                 "eval_interval": 5, "eval_tokens": 2000, "sample_tokens": 0, "device": "cpu",
                                 "max_steps": max_steps, "out_dir": str(out_dir)}  # fmt: skip
@@ -212,7 +212,7 @@ def test_python_api_resume_keeps_the_stored_schedule(tmp_path: Path, reference: 
     with one_thread():
         result = train(out_dir=str(run), resume=True, device="cpu", verbose=False)
     assert result.step == 40  # not stretched to LMConfig's default of 600 steps
-    assert json.loads((run / "config.json").read_text())["training"]["max_steps"] == 40
+    assert json.loads((run / "config.json").read_text())["training"]["schedule"]["max_steps"] == 40
 
 
 def test_eval_of_a_run_on_shards_reads_only_the_validation_shards(
@@ -260,7 +260,8 @@ def _save(run: Path, model: DecoderLM, opt: torch.optim.Optimizer, gen: torch.Ge
 def _load(run: Path) -> tuple[dict[str, torch.Tensor], int]:
     """The weights and step of the committed checkpoint, loaded into a fresh model."""
     model = _tiny_lm()
-    extra = ckpt.load_checkpoint(run, model, make_optimizer(model, config("lm").optim), {"data": torch.Generator()}, ONE, set())
+    optimizer = make_optimizer(model, config("lm").optim)
+    extra = ckpt.load_checkpoint(run, model, optimizer, {"data": torch.Generator()}, ONE, set())
     return model.state_dict(), extra["step"]
 
 
@@ -341,7 +342,7 @@ def test_eval_windows_cover_every_target_exactly_once() -> None:
 def test_evaluate_loss_equals_a_manual_loop_over_positions() -> None:
     """evaluate_loss == mean over t = 1 .. n-1 of -log p(data[t] | the window's tokens before t)."""
     torch.manual_seed(0)
-    model = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=13, n_layers=1, d_model=16, n_heads=2, max_positions=8)).eval()
+    model = DecoderLM(DecoderLMConfig.of(vocab_size=13, n_layers=1, d_model=16, n_heads=2, max_positions=8)).eval()
     model.double()
     data = torch.randint(0, 13, (30,), generator=torch.Generator().manual_seed(1))  # 29 targets: 3 full windows + 5
     block = 8
@@ -394,8 +395,8 @@ def test_run_directory_contents(reference: _References) -> None:
     assert rows[-1]["val_loss"] < rows[0]["val_loss"]  # it learned something
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     config = json.loads((run / "config.json").read_text())
-    assert config["format"] == "qkv-run/1" and config["model"]["dropout"] == 0.1
-    assert config["training"]["max_steps"] == 40
+    assert config["format"] == "qkv-run/2" and config["model"]["decoder"]["block"]["dropout"] == 0.1
+    assert config["training"]["schedule"]["max_steps"] == 40
     # No pickle: every file parses as what its name says (a safetensors header is a little-endian
     # length, so its first bytes may look like pickle magic; parsing is the real test).
     for path in run.iterdir():
@@ -526,7 +527,7 @@ def test_a_text_file_splits_by_characters(corpus: Path) -> None:
 @pytest.mark.slow
 def test_compiled_training_matches_eager(tmp_path: Path, corpus: Path) -> None:
     """--compile (inductor's C++ kernels on the CPU) takes the same steps as eager, to fp32 reassociation."""
-    model = {**config("lm").model, **MODEL, "dropout": 0.0}  # compiled dropout draws from its own RNG
+    model = {**MODEL, "dropout": 0.0}  # compiled dropout draws from its own RNG
     rows = {}
     for compile_ in (False, True):
         out = tmp_path / f"compile-{compile_}"
@@ -556,7 +557,7 @@ def test_one_process_compiles_the_loss_into_the_training_graph(tmp_path: Path, c
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": record}))
     assert compiled.torch.compile is not compile_
-    model = {**config("lm").model, **MODEL, "dropout": 0.0}
+    model = {**MODEL, "dropout": 0.0}
     with one_thread():
         train(_tiny_config(corpus, tmp_path / "run", 2, model=model, compile=True), verbose=False,
               hooks=Hooks(evaluate=False))  # fmt: skip
@@ -572,7 +573,7 @@ def test_compile_covers_the_criterion_on_one_process_and_with_several(
 ) -> None:
     """step_loss: one process compiles model and criterion as one graph; with several (the layers compiled one by
     one elsewhere) the criterion is a graph of its own. Both give eager's loss and gradients."""
-    from qkv.lab.induction import InductionConfig, InductionTask
+    from qkv.lab.induction import InductionTask, recipe
     from qkv.training.compiled import step_loss
 
     graphs: list[torch.fx.GraphModule] = []
@@ -583,8 +584,8 @@ def test_compile_covers_the_criterion_on_one_process_and_with_several(
 
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": record}))
-    task = InductionTask(InductionConfig(model={"n_layers": 1, "d_model": 32, "n_heads": 2}, length=12, min_length=4,
-                                         vocab=20))  # fmt: skip
+    task = InductionTask(recipe().override({"model": {"n_layers": 1, "d_model": 32, "n_heads": 2}, "length": 12,
+                                            "min_length": 4, "vocab": 20}))  # fmt: skip
     torch.manual_seed(0)
     model = task.build_model()
     batch = task.collate(task.draw(torch.Generator().manual_seed(1), 4, 1), torch.device("cpu"))
@@ -617,7 +618,7 @@ def test_auto_precision_is_float32_on_the_cpu_and_bf16_with_tf32_on_cuda(tmp_pat
         assert torch.backends.cuda.matmul.allow_tf32 == before  # restored
     train(config("lm", **tiny_settings("lm", tiny_data(tmp_path / "data")), out_dir=str(tmp_path / "run")),
           verbose=False)  # fmt: skip
-    assert json.loads((tmp_path / "run" / "config.json").read_text())["training"]["dtype"] == "float32"
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["training"]["system"]["dtype"] == "float32"
 
 
 def test_out_of_memory_names_the_size_each_allocator_asked_for() -> None:

@@ -136,7 +136,7 @@ def _choices(hint: Any) -> dict[str, Any]:
     """argparse's choices for a Literal setting (or Literal | None)."""
     for option in typing.get_args(hint) if _is_union(hint) else (hint,):
         if typing.get_origin(option) is typing.Literal:
-            return {"choices": [*typing.get_args(option), *(["none"] if _is_union(hint) else [])]}
+            return {"choices": [*typing.get_args(option), *([None] if _is_union(hint) else [])]}  # None: "none"
     return {}
 
 

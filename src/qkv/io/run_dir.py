@@ -7,7 +7,7 @@
     last.safetensors         the latest weights
     checkpoint/              everything `--resume` needs: a sharded DCP checkpoint per step and latest.json, which
                              names the committed one (qkv.training.checkpoint); runs of earlier versions kept
-                             last_optim.safetensors and last_state.json instead (qkv.training.legacy_checkpoint)
+                             last_optim.safetensors and last_state.json instead, which no longer resume
     tokenizer.json           the tokenizer (tasks with a fixed vocabulary have none)
     metrics.jsonl            one JSON object per evaluation
     loss.png                 train and validation curves

@@ -15,7 +15,8 @@ Nothing read runs code: DCP stores only tensors here (the optimizer's hyperparam
 it reads with torch.load(weights_only=True), and its `.metadata` (a pickle) is read by an unpickler that builds
 DCP's own metadata classes and nothing else. The weights a user reads (generate, eval,
 explore, convert) are the run's safetensors exports, written beside it (qkv.training.distributed.export_weights).
-Runs from before this format (last_state.json) still resume: qkv.training.legacy_checkpoint.
+Runs from before this format (last_state.json, which lived four days) do not resume: their weights still load, and
+a new run starts from them with --init-from.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from qkv.io.files import atomic_save_safetensors, atomic_write_json, file_sha256
 from qkv.io.run_dir import CHECKPOINT_DIR, OPTIM_FILE, STATE_FILE
 from qkv.training import distributed
 from qkv.training.distributed import DistContext
-from qkv.training.legacy_checkpoint import load_legacy
 from qkv.training.train_state import (
     from_jsonable,
     generator_state,
@@ -142,7 +142,9 @@ def load_checkpoint(
     root = Path(run_dir) / CHECKPOINT_DIR
     if not (root / LATEST).is_file():
         if (Path(run_dir) / STATE_FILE).is_file():
-            return load_legacy(Path(run_dir), model, optimizer, generators, ctx, frozen)
+            raise QkvError(f"{run_dir} keeps its resume state in {STATE_FILE}, the format of qkv before sharded "
+                           "checkpoints, which no longer resumes; its weights still load, evaluate and generate: to "
+                           f"train on, start a new run from them with --init-from {run_dir}")  # fmt: skip
         raise QkvError(f"no checkpoint to resume in {run_dir} ({CHECKPOINT_DIR}/{LATEST} missing): a run that "
                        "stopped before its first save starts again without --resume")  # fmt: skip
     pointer = load_json(root / LATEST, "checkpoint pointer")

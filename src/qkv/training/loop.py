@@ -110,6 +110,10 @@ def fit(task: type[Task], cfg: RunConfig[Any], verbose: bool = True, hooks: Hook
     A resumed run's cfg is its stored config with the settings given on resume over it (qkv.tasks.resumed).
     """
     stored = stored_run(task, cfg) if cfg.checkpoint.resume else None  # the config.json of the run to continue
+    if stored is not None and type(cfg).from_stored(stored).model != cfg.model:
+        raise QkvError(f"this config's model is not the one the run in {cfg.checkpoint.out_dir} trains; resume it "
+                       "with qkv.train(task=…, resume=True, out_dir=…, settings to change), or from its own config "
+                       "(RunConfig.from_stored)")  # fmt: skip
     system = cfg.system
     with distributed.process_group(resolve_device(system.device), system.strategy, system.dist_timeout) as ctx:
         if ctx.device.type == "cpu":
