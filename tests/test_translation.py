@@ -315,8 +315,8 @@ def test_resume_takes_the_same_steps(tmp_path: Path, tiny_corpus: None, capsys: 
     assert whole.step == resumed.step == 4
     a, b = (load_safetensors(tmp_path / d / "last.safetensors") for d in ("a", "b"))
     assert all(torch.equal(a[k], b[k]) for k in a)
-    config = json.loads((tmp_path / "a" / "config.json").read_text())
-    assert config["model_type"] == "transformer"
+    stored = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert stored["model_type"] == "transformer"
     rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [2, 4] and all("val_bleu" in r and "val_loss" in r for r in rows)
     assert (tmp_path / "a" / "loss.png").is_file() and (tmp_path / "a" / "model.safetensors").is_file()

@@ -93,7 +93,7 @@ def test_corpus_option() -> None:
     assert both.train == bible.train + ding.train and both.val == bible.val + ding.val  # pooled, nothing lost
     assert both.tests == {"bible test": bible.tests["test"], "bible books": bible.tests["books"],
                           "ding test": ding.tests["test"]}  # each corpus's own test splits, named  # fmt: skip
-    with pytest.raises(QkvError, match="unknown corpus"):
+    with pytest.raises(QkvError, match=r"--corpus must be one of ding, bible, ding\+bible, got .wiki."):
         config("translate", corpus="wiki")
     with pytest.raises(QkvError, match="give one"):
         config("translate", corpus="bible", data="pairs.tsv")

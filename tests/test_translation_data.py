@@ -53,7 +53,7 @@ def test_own_pairs_train_evaluate_and_translate(tmp_path: Path, capsys: pytest.C
     assert code == 0, err
     assert "160 train / 20 val pairs (de-num → en-num), vocab 300" in out + err
     stored = json.loads((run / "config.json").read_text())["training"]
-    assert stored["data"] == str(data) and stored["src_lang"] == "de-num"
+    assert stored["source"] == str(data) and stored["src_lang"] == "de-num"
     code, out, err = _cli(capsys, "eval", str(run), "--beam", "2")
     assert code == 0, err
     lines = out.strip().splitlines()
@@ -88,8 +88,8 @@ def test_init_from_starts_at_the_runs_weights(tmp_path: Path) -> None:
     with pytest.raises(QkvError, match="not a translation model"):
         lm_run = tmp_path / "lm"
         lm_run.mkdir()
-        config = {"format": "qkv-run/1", "task": "lm", "model_type": "decoder_lm", "model": {}, "training": {}}
-        (lm_run / "config.json").write_text(json.dumps(config))
+        lm_config = {"format": "qkv-run/1", "task": "lm", "model_type": "decoder_lm", "model": {}, "training": {}}
+        (lm_run / "config.json").write_text(json.dumps(lm_config))
         train(config("translate", data=str(data), init_from=str(lm_run), out_dir=str(tmp_path / "x")), verbose=False)
 
 

@@ -11,7 +11,7 @@ matrices with Muon (qkv.training.optim); benchmarks/TRANSLATION.md measures each
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -76,6 +76,13 @@ class TranslateConfig(RunConfig[TransformerConfig]):
         check_penalties(self.length_penalty, self.coverage_penalty)
         if self.source is not None and self.corpus != DEFAULT_CORPUS:
             raise QkvError("--data and --corpus both name the training pairs; give one")
+
+    def override(self, settings: Mapping[str, Any]) -> "TranslateConfig":
+        """The shared override; a run that starts --init-from takes that run's model and vocabulary as they are."""
+        if settings.get("init_from") is not None and any(k == "vocab_size" or k.startswith("model") for k in settings):
+            raise QkvError("--init-from takes the model and vocabulary of the run it names; leave --vocab-size and "
+                           "the model options unset")  # fmt: skip
+        return super().override(settings)
 
     def splits(self) -> Splits:
         """The run's train / validation / test pairs."""
@@ -168,10 +175,6 @@ class TranslateTask(Task):
             if self.tokenizer is None:
                 raise QkvError(f"{run_dir} has no tokenizer: it is not a translation run to --resume")
         elif self.cfg.init_from is not None:
-            fresh = recipe()
-            if self.cfg.model != fresh.model or self.cfg.vocab_size != fresh.vocab_size:
-                raise QkvError("--init-from takes the model and vocabulary of the run it names; leave --vocab-size and "
-                               "the model options unset")  # fmt: skip
             self.initial, self.tokenizer = starting_point(self.cfg.init_from)
         else:  # the vocabulary sees the training split only, both languages
             self.tokenizer = train_tokenizer([s for pair in splits.train for s in pair], self.cfg.vocab_size)
