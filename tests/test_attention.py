@@ -381,7 +381,8 @@ def test_two_threads_record_the_same_model_at_once() -> None:
     from qkv.models import DecoderLM, DecoderLMConfig
 
     torch.manual_seed(0)
-    model = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=50, d_model=32, n_heads=2, n_layers=3, max_positions=64)).eval()
+    model = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=50, d_model=32, n_heads=2, n_layers=3,
+                                max_positions=64)).eval()
     inputs = [torch.randint(0, 50, (1, 40)), torch.randint(0, 50, (1, 24))]
     with record_attention(model) as alone:
         model(inputs[0])

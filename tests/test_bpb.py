@@ -34,8 +34,9 @@ BLOCK = 16
 def _model(vocab_size: int, max_positions: int = BLOCK) -> DecoderLM:
     """A random one-layer model (its losses differ token by token, which is all the sums need)."""
     torch.manual_seed(0)
-    cfg = model_cfg(DecoderLMConfig, vocab_size=vocab_size, max_positions=max_positions, n_layers=1, d_model=32, n_heads=2,
-                          dropout=0.0)  # fmt: skip
+    cfg = model_cfg(DecoderLMConfig, vocab_size=vocab_size, max_positions=max_positions, n_layers=1,
+                    d_model=32, n_heads=2,
+                    dropout=0.0)  # fmt: skip
     return DecoderLM(cfg).eval()
 
 

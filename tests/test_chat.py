@@ -110,7 +110,8 @@ def test_the_mask_is_exact_for_any_text(smollm2: Any, turns: list[tuple[str, str
 
 
 def test_a_padded_batch_loss_is_the_mean_over_every_assistant_token() -> None:
-    model = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_positions=64)).eval()
+    model = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=50, d_model=32, n_layers=2, n_heads=4,
+                                max_positions=64)).eval()
     gen = torch.Generator().manual_seed(0)
     ids = [torch.randint(50, (n,), generator=gen).tolist() for n in (9, 20, 14)]
     masks = [[j % 3 != 0 for j in range(len(i))] for i in ids]
@@ -130,7 +131,7 @@ def test_a_padded_batch_loss_is_the_mean_over_every_assistant_token() -> None:
 def test_the_history_drops_its_oldest_exchanges_to_fit_the_context(smollm2: Any) -> None:
     tokenizer, template = smollm2
     model = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=tokenizer.vocab_size, d_model=16, n_layers=1, n_heads=2,
-                                      max_positions=64))  # fmt: skip
+                                max_positions=64))  # fmt: skip
     session = ChatSession(model, tokenizer, template, GREEDY, max_new_tokens=4, system="Be brief.")
     for _ in range(3):
         session.history += [{"role": "user", "content": "one two three four five six"},
@@ -169,7 +170,7 @@ def test_a_turn_reads_only_what_its_prompt_adds_and_replies_as_from_scratch(smol
     tokenizer, template = smollm2
     torch.manual_seed(0)
     model = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=tokenizer.vocab_size, d_model=32, n_layers=2, n_heads=4,
-                                      n_kv_heads=2, positions="rotary", max_positions=512)).eval()  # fmt: skip
+                                n_kv_heads=2, positions="rotary", max_positions=512)).eval()  # fmt: skip
     messages = ["Hello there!", "What is the capital of France?", "And of Italy? Answer briefly."]
     sessions = [ChatSession(model, tokenizer, template, GREEDY, max_new_tokens=12, system="Be brief.",
                             reuse_cache=reuse) for reuse in (True, False)]  # fmt: skip

@@ -118,7 +118,7 @@ def _lm(kind: str) -> DecoderLM:
     """A 2-layer DecoderLM of one block kind, dropout 0, seeded."""
     torch.manual_seed(3)
     cfg = model_cfg(DecoderLMConfig, vocab_size=97, d_model=64, n_heads=4, n_layers=2, max_positions=64, dropout=0.0,
-                          **MODELS[kind])  # fmt: skip
+                    **MODELS[kind])  # fmt: skip
     return DecoderLM(cfg)
 
 

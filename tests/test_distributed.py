@@ -209,7 +209,8 @@ def _accumulate(model: torch.nn.Module, micro_batches: int) -> None:
 def test_gradient_accumulation_syncs_once_per_step(group_of_one: None, strategy: str) -> None:
     """3 micro-batches, 1 gradient sync: DDP's all-reduce runs in the last backward only (FSDP: its sync flag)."""
     torch.manual_seed(0)
-    lm = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=11, n_layers=1, d_model=16, n_heads=2, max_positions=8, dropout=0.0))
+    lm = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=11, n_layers=1, d_model=16, n_heads=2,
+                             max_positions=8, dropout=0.0))
     model = wrap_model(lm, DistContext(0, 2, strategy, torch.device("cpu")))  # as rank 0 of 2 would wrap it
     synced: list[bool] = []
     if strategy == "ddp":

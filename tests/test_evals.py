@@ -36,7 +36,7 @@ def tokenizer() -> ByteBPETokenizer:
 def model(positions: str = "rotary", max_positions: int = 64) -> DecoderLM:
     torch.manual_seed(3)
     cfg = model_cfg(DecoderLMConfig, vocab_size=tokenizer().vocab_size, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2,
-                          max_positions=max_positions, d_ff=64, positions=positions)  # type: ignore[arg-type]  # fmt: skip
+                    max_positions=max_positions, d_ff=64, positions=positions)  # type: ignore[arg-type]  # fmt: skip
     return DecoderLM(cfg).eval()
 
 
@@ -209,10 +209,9 @@ def test_bench_prints_a_table_and_keeps_json_beside_the_run(runs: dict[str, Path
 
 def test_a_lora_run_is_scored_merged_onto_its_base(runs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     """The LoRA run's scores are its merged model's: equal to scoring that model directly."""
-    from qkv.finetune import load_lora_run
-
     from qkv.evals.models import load_eval_model
     from qkv.evals.run import run_benchmark
+    from qkv.finetune import load_lora_run
     from qkv.io.progress import ProgressLine
 
     lm = load_eval_model(runs["lora"])

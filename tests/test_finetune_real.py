@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from qkv.lora import LoRAConfig, add_lora, count_parameters, lora_modules, merge_lora
 from test_lora import peft_twin, randomize_b
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from qkv.extras import package_file
 from qkv.finetune import Base, load_base
 from qkv.interop import Checkpoint, read_checkpoint
+from qkv.lora import LoRAConfig, add_lora, count_parameters, lora_modules, merge_lora
 
 TEXT = "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun."
 

@@ -22,10 +22,8 @@ def tiny_lm(
 ) -> DecoderLM:
     """A small DecoderLM in eval mode; sharpened: large embeddings give peaked, well-separated logits."""
     torch.manual_seed(5)
-    cfg = model_cfg(DecoderLMConfig,
-        vocab_size=vocab, d_model=16, n_heads=4, n_kv_heads=n_kv_heads, n_layers=2, max_positions=24, d_ff=32,
-        positions=positions,  # type: ignore[arg-type]
-    )  # fmt: skip
+    cfg = model_cfg(DecoderLMConfig, vocab_size=vocab, d_model=16, n_heads=4, n_kv_heads=n_kv_heads, n_layers=2,
+                    max_positions=24, d_ff=32, positions=positions)  # fmt: skip
     model = DecoderLM(cfg).eval()
     if sharpen:
         with torch.no_grad():

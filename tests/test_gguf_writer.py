@@ -37,8 +37,8 @@ def _llama_lm(vocab_size: int, tie: bool, bias: bool = False) -> DecoderLM:
     """A random Llama-shaped DecoderLM whose every tensor (norms included) is far from its initial value."""
     torch.manual_seed(0)
     cfg = model_cfg(DecoderLMConfig, vocab_size=vocab_size, n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=96,
-                          max_positions=128, positions="rotary", rope_base=500.0, norm="rms", norm_eps=1e-5,
-                          activation="swiglu", bias=bias, final_norm=True, tie_embeddings=tie)  # fmt: skip
+                    max_positions=128, positions="rotary", rope_base=500.0, norm="rms", norm_eps=1e-5,
+                    activation="swiglu", bias=bias, final_norm=True, tie_embeddings=tie)  # fmt: skip
     model = DecoderLM(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():

@@ -247,9 +247,8 @@ _LLAMA_SHAPED: dict[str, Any] = dict(
 @pytest.mark.parametrize("shape", [_GPT2_SHAPED, _LLAMA_SHAPED], ids=["gpt2", "llama"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_save_hf_round_trip(shape: dict[str, Any], tied: bool, tmp_path: Path) -> None:
-    cfg = model_cfg(DecoderLMConfig,
-        vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=2, d_ff=48, max_positions=64, tie_embeddings=tied, **shape
-    )
+    cfg = model_cfg(DecoderLMConfig, vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=2, d_ff=48, max_positions=64,
+                    tie_embeddings=tied, **shape)
     model = DecoderLM(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():  # GPT-2's init zeroes biases and sets norms to 1: make every tensor count

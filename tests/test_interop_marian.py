@@ -25,8 +25,8 @@ from transformers import MarianConfig, MarianMTModel, MarianTokenizer
 from qkv import QkvError, Transformer, TransformerConfig
 from qkv.cli import main as cli_main
 from qkv.interop import from_hf, read_marian_tokenizer
-from qkv.positional import SinusoidalPositionsConfig
 from qkv.interop.qkv_dir import save_qkv
+from qkv.positional import SinusoidalPositionsConfig
 from qkv.translation.batching import Specials, source_tensor
 from qkv.translation.decoding import greedy_decode
 from qkv.translation.hf_beam import hf_beam_search, hf_generate

@@ -7,7 +7,6 @@ import threading
 import pytest
 import torch
 from helpers import model_cfg
-from qkv.lora import LoRAConfig, add_lora
 
 from qkv.errors import QkvError
 from qkv.interpret import (
@@ -23,6 +22,7 @@ from qkv.interpret import (
     run_with_cache,
 )
 from qkv.interpret.induction import induction_targets
+from qkv.lora import LoRAConfig, add_lora
 from qkv.models import DecoderLM, DecoderLMConfig, Transformer, TransformerConfig, build_model
 
 D = {"vocab_size": 40, "d_model": 32, "n_heads": 4, "n_layers": 3, "d_ff": 64, "max_positions": 32, "dropout": 0.0}
@@ -50,7 +50,7 @@ def test_every_layer_has_the_same_names_with_and_without_lora_and_attention_only
     assert hook_names(_model(d_ff=0), "*.ffn_out") == []
     torch.manual_seed(0)
     seq2seq = Transformer(model_cfg(TransformerConfig, src_vocab_size=20, tgt_vocab_size=20, d_model=16, n_heads=2,
-                                            n_encoder_layers=1, n_decoder_layers=1, d_ff=32))  # fmt: skip
+                                    n_encoder_layers=1, n_decoder_layers=1, d_ff=32))  # fmt: skip
     assert "decoder.layers.0.cross.pattern" in hook_names(seq2seq)
     assert "encoder.layers.0.resid_mid" in hook_names(seq2seq)
 
@@ -261,15 +261,16 @@ def test_the_lens_reads_encoder_decoders_and_masked_lm_encoders_too() -> None:
 
     torch.manual_seed(0)
     seq2seq = build_model(model_cfg(TransformerConfig, src_vocab_size=20, tgt_vocab_size=20, d_model=16, n_heads=2,
-                                            n_encoder_layers=1, n_decoder_layers=2, d_ff=32,
-                                            norm_placement="pre")).eval()  # fmt: skip
+                                    n_encoder_layers=1, n_decoder_layers=2, d_ff=32,
+                                    norm_placement="pre")).eval()  # fmt: skip
     src, tgt = torch.randint(0, 20, (1, 6)), torch.randint(0, 20, (1, 5))
     lens = logit_lens(seq2seq, src, tgt)
     with torch.no_grad():
         assert lens.labels == ["embeddings", "after layer 0", "after layer 1"]
         assert torch.equal(lens.logits[-1], seq2seq(src, tgt))
-    bert = build_model(model_cfg(EncoderConfig, vocab_size=30, d_model=16, n_heads=2, n_layers=2, d_ff=32, max_positions=16,
-                                     mlm_head=True)).eval()  # fmt: skip
+    bert = build_model(model_cfg(EncoderConfig, vocab_size=30, d_model=16, n_heads=2, n_layers=2, d_ff=32,
+                                 max_positions=16,
+                                 mlm_head=True)).eval()  # fmt: skip
     ids = torch.randint(0, 30, (1, 7))
     lens = logit_lens(bert, ids)
     with torch.no_grad():

@@ -198,11 +198,13 @@ def test_attention_map_of_a_tiny_run(tiny_run: Path, tmp_path: Path) -> None:
 
 
 def test_attention_maps_of_model_objects(tmp_path: Path) -> None:
-    lm = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=20, n_layers=2, d_model=16, n_heads=2, max_positions=16)).eval()
+    lm = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=20, n_layers=2, d_model=16, n_heads=2,
+                             max_positions=16)).eval()
     r = decoder_attention_maps(lm, [1, 2, 3, 4], list("abcd"))
     assert [m.weights.shape for m in r.maps] == [(2, 4, 4)] * 2
-    cfg = model_cfg(TransformerConfig, src_vocab_size=11, tgt_vocab_size=13, d_model=16, n_heads=2, d_ff=32, dropout=0.0,
-                            n_encoder_layers=2, n_decoder_layers=1, max_positions=16)  # fmt: skip
+    cfg = model_cfg(TransformerConfig, src_vocab_size=11, tgt_vocab_size=13, d_model=16, n_heads=2, d_ff=32,
+                    dropout=0.0,
+                    n_encoder_layers=2, n_decoder_layers=1, max_positions=16)  # fmt: skip
     r = transformer_attention_maps(Transformer(cfg).eval(), [1, 2, 3, 4, 5], [1, 2, 3], list("abcde"), list("xyz"))
     shapes = {(m.kind, m.layer): m.weights.shape for m in r.maps}
     assert shapes == {("encoder", 0): (2, 5, 5), ("encoder", 1): (2, 5, 5), ("decoder", 0): (2, 3, 3),

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 from llama_cpp import Llama, llama_get_logits_ith
-from qkv.lora import LoRAConfig, add_lora, merge_lora
 from test_lora import randomize_b
 
 from qkv.extras import package_file
 from qkv.finetune import load_base
 from qkv.generation import Sampling, generate
 from qkv.interop.gguf_writer import save_gguf
+from qkv.lora import LoRAConfig, add_lora, merge_lora
 
 GGML_TYPE_F32 = 0
 

@@ -18,12 +18,12 @@ from helpers import model_cfg
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from peft import LoraConfig, PeftModel, get_peft_model
-from qkv.lora import DEFAULT_TARGETS, LoRALinear, LoRAConfig, add_lora, count_parameters, lora_modules, merge_lora
 from transformers import LlamaForCausalLM
 
 from qkv.errors import QkvError
 from qkv.finetune import load_peft, save_peft
 from qkv.interop import save_hf
+from qkv.lora import DEFAULT_TARGETS, LoRAConfig, LoRALinear, add_lora, count_parameters, lora_modules, merge_lora
 from qkv.models import DecoderLM, DecoderLMConfig
 
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -33,8 +33,8 @@ def random_llama(seed: int = 0, tie: bool = False) -> DecoderLM:
     """A small Llama-shaped DecoderLM (rotary, RMSNorm, SwiGLU, grouped-query attention, no biases)."""
     torch.manual_seed(seed)
     cfg = model_cfg(DecoderLMConfig, vocab_size=97, n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, positions="rotary",
-                          norm="rms", activation="swiglu", bias=False, final_norm=True, tie_embeddings=tie,
-                          max_positions=64)  # fmt: skip
+                    norm="rms", activation="swiglu", bias=False, final_norm=True, tie_embeddings=tie,
+                    max_positions=64)  # fmt: skip
     return DecoderLM(cfg).eval()
 
 
@@ -219,11 +219,12 @@ def test_a_peft_adapter_for_another_architecture_is_refused(
     model, spec, base = exported
     save_peft(model, tmp_path / "adapter", spec, str(base))
     wider = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=97, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2,
-                                      positions="rotary", norm="rms", activation="swiglu", bias=False,
-                                      final_norm=True, tie_embeddings=False))  # fmt: skip
+                                positions="rotary", norm="rms", activation="swiglu", bias=False,
+                                final_norm=True, tie_embeddings=False))  # fmt: skip
     with pytest.raises(QkvError, match="an adapter for another architecture or size"):
         load_peft(wider, tmp_path / "adapter")
-    gpt = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=97, n_layers=2, d_model=64, n_heads=4))  # GPT-2-shaped: c_attn …
+    gpt = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=97, n_layers=2, d_model=64,
+                              n_heads=4))  # GPT-2-shaped: c_attn …
     with pytest.raises(QkvError, match="adapts no module of this DecoderLM — an adapter for another architecture"):
         load_peft(gpt, tmp_path / "adapter")
 

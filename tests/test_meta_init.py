@@ -18,15 +18,17 @@ from qkv.training.recompute import layers_of
 D = {"vocab_size": 50, "d_model": 32, "n_heads": 4, "n_layers": 2, "d_ff": 64, "max_positions": 64}
 CONFIGS: dict[str, QkvConfig] = {
     "gpt-learned-tied": model_cfg(DecoderLMConfig, **D),
-    "llama-gqa-rms-untied": model_cfg(DecoderLMConfig, **D, positions="rotary", norm="rms", n_kv_heads=2, tie_embeddings=False,
-                                            activation="swiglu"),
+    "llama-gqa-rms-untied": model_cfg(DecoderLMConfig, **D, positions="rotary", norm="rms", n_kv_heads=2,
+                                      tie_embeddings=False,
+                                      activation="swiglu"),
     "sinusoidal-no-bias": model_cfg(DecoderLMConfig, **D, positions="sinusoidal", bias=False),
     "mla-moe": model_cfg(DecoderLMConfig, **D, positions="rotary", attention="mla", moe_experts=4, moe_top_k=2),
     "encoder-decoder-shared": model_cfg(TransformerConfig, src_vocab_size=40, tgt_vocab_size=40, d_model=32, n_heads=4,
-                                                n_encoder_layers=2, n_decoder_layers=1, d_ff=64,
-                                                share_embeddings=True),
-    "encoder-decoder-separate": model_cfg(TransformerConfig, src_vocab_size=40, tgt_vocab_size=30, d_model=32, n_heads=4,
-                                                  n_encoder_layers=1, n_decoder_layers=2, d_ff=64),
+                                        n_encoder_layers=2, n_decoder_layers=1, d_ff=64,
+                                        share_embeddings=True),
+    "encoder-decoder-separate": model_cfg(TransformerConfig, src_vocab_size=40, tgt_vocab_size=30, d_model=32,
+                                          n_heads=4,
+                                          n_encoder_layers=1, n_decoder_layers=2, d_ff=64),
     "bert": model_cfg(EncoderConfig, **D),
 }  # fmt: skip
 

@@ -47,7 +47,7 @@ def test_masking_follows_bert_statistics() -> None:
 
 def test_the_gathered_head_equals_the_full_one() -> None:
     cfg = model_cfg(EncoderConfig, vocab_size=30, d_model=16, n_heads=2, n_layers=1, max_positions=12, pooler=False,
-                        mlm_head=True, dropout=0.0)  # fmt: skip
+                    mlm_head=True, dropout=0.0)  # fmt: skip
     model = EncoderModel(cfg).eval()
     ids = torch.randint(0, 30, (3, 12))
     positions = torch.tensor([[0, 5], [3, 11], [2, 7]])

@@ -98,8 +98,8 @@ def tiny_lm(variant: str) -> DecoderLM:
     """A small DecoderLM in eval mode (built once per variant)."""
     torch.manual_seed(1)
     cfg = model_cfg(DecoderLMConfig,
-        vocab_size=23, d_model=16, n_heads=4, n_layers=2, max_positions=32, d_ff=32, **LM_VARIANTS[variant]
-    )
+                    vocab_size=23, d_model=16, n_heads=4, n_layers=2, max_positions=32, d_ff=32, **LM_VARIANTS[variant]
+                    )
     return DecoderLM(cfg).eval()
 
 
@@ -143,9 +143,9 @@ def test_decoder_lm_token_by_token_from_the_start(variant: str) -> None:
 def tiny_transformer(positions: str = "sinusoidal", **kw: object) -> Transformer:
     torch.manual_seed(2)
     cfg = model_cfg(TransformerConfig,
-        src_vocab_size=19, tgt_vocab_size=17, d_model=16, n_heads=4, d_ff=32, n_encoder_layers=2,
-        n_decoder_layers=2, dropout=0.0, max_positions=32, positions=positions, **kw,  # type: ignore[arg-type]
-    )  # fmt: skip
+                    src_vocab_size=19, tgt_vocab_size=17, d_model=16, n_heads=4, d_ff=32, n_encoder_layers=2,
+                    n_decoder_layers=2, dropout=0.0, max_positions=32, positions=positions, **kw,  # type: ignore[arg-type]
+                    )  # fmt: skip
     return Transformer(cfg).eval()
 
 
@@ -399,7 +399,8 @@ def _lm(**settings: Any) -> DecoderLMConfig:
         (lambda: _lm(n_kv_heads=3), r"n_kv_heads=3 must divide n_heads=8"),
         (lambda: _lm(norm="group"), r"kind must be one of layer, rms, batch, got 'group'"),
         (lambda: _lm(activation="tanh"), r"activation must be one of relu, gelu, gelu_tanh, swiglu, silu"),
-        (lambda: _lm(positions="alibi"), r"unknown embedding.positions 'alibi'; choose one of: learned, none, rotary, sinusoidal"),
+        (lambda: _lm(positions="alibi"), r"unknown embedding.positions 'alibi'; choose one of: learned, "
+                                         r"none, rotary, sinusoidal"),
         (lambda: _lm(dropout=-0.1), r"dropout must be in \[0, 1\), got -0.1"),
         (lambda: _lm(dropout=1.0), r"dropout must be in \[0, 1\)"),
         (lambda: _lm(attention_dropout=1.5), r"decoder.block.attention: dropout must be in \[0, 1\), got 1.5"),

@@ -70,8 +70,9 @@ def test_muon_steps_like_torch_optim_muon() -> None:
 
 
 def _tiny_transformer() -> Transformer:
-    cfg = model_cfg(TransformerConfig, src_vocab_size=50, tgt_vocab_size=50, d_model=16, n_heads=2, d_ff=32, n_encoder_layers=2,
-                            n_decoder_layers=1, share_embeddings=True, dropout=0.0)  # fmt: skip
+    cfg = model_cfg(TransformerConfig, src_vocab_size=50, tgt_vocab_size=50, d_model=16, n_heads=2, d_ff=32,
+                    n_encoder_layers=2,
+                    n_decoder_layers=1, share_embeddings=True, dropout=0.0)  # fmt: skip
     return Transformer(cfg)
 
 

@@ -85,20 +85,15 @@ def test_gpt2_shards_are_tiktokens_gpt2_encoding(tmp_path: Path, corpus: Path, t
     assert verify_data(out).endswith("sizes, hashes and token ids as meta.json says")
 
 
-def test_gpt2_through_tiktoken_and_through_hf_tokenizers_agree(corpus: Path) -> None:
+def test_gpt2_through_tiktoken_and_through_hf_tokenizers_agree(corpus: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """qkv's engine for GPT-2's vocabulary (tiktoken) and its reference (Hugging Face tokenizers) give equal ids."""
     docs = shakespeare_documents()
     fast = gpt2_tokenizer()
     reference = ByteBPETokenizer(fast.hf_tokenizer)
     reference._ordinary = None
-    import qkv.tokenizers.gpt2 as gpt2
-
-    real = gpt2.tiktoken_engine
-    try:
-        gpt2.tiktoken_engine = lambda tokenizer: None  # type: ignore[assignment]
-        slow = reference.encode_ordinary(docs)
-    finally:
-        gpt2.tiktoken_engine = real
+    monkeypatch.setattr("qkv.tokenizers.bpe.tiktoken_engine", lambda fingerprint, vocab: None)
+    slow = reference.encode_ordinary(docs)
+    monkeypatch.undo()
     assert fast.encode_ordinary(docs) == slow
     assert "tiktoken" in type(fast._ordinary.__self__).__module__
 

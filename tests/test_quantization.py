@@ -68,7 +68,7 @@ def test_zero_rows_stay_zero_and_do_not_divide_by_zero() -> None:
 def _lm(tie: bool) -> DecoderLM:
     torch.manual_seed(3)
     cfg = model_cfg(DecoderLMConfig, vocab_size=50, d_model=32, n_heads=4, n_layers=2, d_ff=64, max_positions=32,
-                          tie_embeddings=tie, positions="rotary", norm="rms", activation="swiglu")  # fmt: skip
+                    tie_embeddings=tie, positions="rotary", norm="rms", activation="swiglu")  # fmt: skip
     return DecoderLM(cfg).eval()
 
 
@@ -107,7 +107,7 @@ def test_linears_read_as_matrices_stay_float(absorb: bool) -> None:
     """MLA's kv_up (sliced per head for weight absorption) and the MoE router keep their float weights."""
     torch.manual_seed(1)
     cfg = model_cfg(DecoderLMConfig, vocab_size=40, d_model=32, n_heads=4, n_layers=2, d_ff=48, max_positions=32,
-                          positions="rotary", attention="mla", mla_absorb=absorb, moe_experts=4)  # fmt: skip
+                    positions="rotary", attention="mla", mla_absorb=absorb, moe_experts=4)  # fmt: skip
     model = DecoderLM(cfg).eval()
     ids = torch.randint(0, 40, (2, 12))
     with torch.no_grad():

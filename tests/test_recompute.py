@@ -27,11 +27,11 @@ def test_gradients_equal_the_plain_runs(kind: str) -> None:
     ids = torch.randint(40, (3, 12))
     if kind == "decoder":
         model: torch.nn.Module = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=40, d_model=32, n_layers=3, n_heads=4,
-                                                            dropout=0.1))  # fmt: skip
+                                                     dropout=0.1))  # fmt: skip
         loss_of = lambda m: m(ids).logsumexp(-1).mean()  # noqa: E731
     elif kind == "transformer":
         model = Transformer(model_cfg(TransformerConfig, src_vocab_size=40, tgt_vocab_size=40, d_model=32, n_heads=4,
-                                              n_encoder_layers=2, n_decoder_layers=2, dropout=0.1))  # fmt: skip
+                                      n_encoder_layers=2, n_decoder_layers=2, dropout=0.1))  # fmt: skip
         loss_of = lambda m: m(ids, ids).logsumexp(-1).mean()  # noqa: E731
     else:
         model = EncoderModel(model_cfg(EncoderConfig, vocab_size=40, d_model=32, n_layers=2, n_heads=4, dropout=0.1))

@@ -6,6 +6,7 @@ Python and from the CLI.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import typing
 from pathlib import Path
@@ -48,7 +49,7 @@ def _stored(run: Path) -> dict[str, Any]:
 
 def _declared(cls: type) -> set[str]:
     """The fields a class itself declares (its own annotations, not inherited ones)."""
-    return {f.name for f in dataclasses.fields(cls) if f.name in cls.__dict__.get("__annotations__", {})}
+    return {f.name for f in dataclasses.fields(cls) if f.name in inspect.get_annotations(cls)}
 
 
 def test_no_task_config_declares_an_inherited_field_again() -> None:
@@ -79,7 +80,8 @@ def test_sections_and_task_settings_are_typed_and_checked() -> None:
                                                                "checkpoint"}  # fmt: skip
     translate, lm = recipe("translate"), recipe("lm")
     assert (translate.optim.beta2, translate.schedule.min_lr, lm.optim.beta2, lm.schedule.min_lr) == (0.98, 0.0, 0.99,
-                                                                                                       None)  # fmt: skip
+
+                                                                                                      None)  # fmt: skip
     assert (lm.optim.name, lm.optim.newton_schulz_steps, lm.schedule.max_steps, lm.model.decoder.n_layers) == (
         "muon", 4, 350, 3)
     with pytest.raises(QkvError, match=r"betas must be in \[0, 1\)"):

@@ -77,7 +77,7 @@ class TranslateConfig(RunConfig[TransformerConfig]):
         if self.source is not None and self.corpus != DEFAULT_CORPUS:
             raise QkvError("--data and --corpus both name the training pairs; give one")
 
-    def override(self, settings: Mapping[str, Any]) -> "TranslateConfig":
+    def override(self, settings: Mapping[str, Any]) -> TranslateConfig:
         """The shared override; a run that starts --init-from takes that run's model and vocabulary as they are."""
         if settings.get("init_from") is not None and any(k == "vocab_size" or k.startswith("model") for k in settings):
             raise QkvError("--init-from takes the model and vocabulary of the run it names; leave --vocab-size and "
