@@ -19,7 +19,8 @@ from helpers import run_main
 
 from qkv.interpret import head_scores, repeated_tokens, run_with_cache
 from qkv.lab import InductionResult, induction
-from qkv.lab.induction import half_losses, plot, plot_smollm2, training_rows
+from qkv.lab.induction import plot, plot_smollm2
+from qkv.lab.induction_task import half_losses, training_rows
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
 import qkv
@@ -130,3 +131,60 @@ def test_there_is_one_training_loop() -> None:
     callers = {str(p.relative_to(SRC)): _calls(p) for p in sorted(SRC.rglob("*.py")) if _calls(p)}
     assert list(callers) == ["training/loop.py"], callers
     assert sorted(callers["training/loop.py"]) == ["backward", "step"]  # once each: one loop
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Each qkv module → the qkv modules it imports anywhere (top level, in functions, under TYPE_CHECKING), less a
+    package's imports of its own modules and a module's of its package (re-exports, not design)."""
+    modules = {".".join(p.relative_to(SRC.parent).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in SRC.rglob("*.py")}  # fmt: skip
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):  # qkv imports absolutely (relative ones would be ruff's TID252)
+                assert node.level == 0 and node.module, f"{path}:{node.lineno}: a relative import"
+                targets |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+        found = {t for t in map(resolve, targets) if t and t != name}
+        graph[name] = {t for t in found if not (is_package and t.startswith(name + "."))
+                       and not (modules[t].name == "__init__.py" and name.startswith(t + "."))}  # fmt: skip
+    return graph
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    """No import circles between qkv's modules, counting imports inside functions: dependencies point down."""
+    graph = _module_imports()
+    assert "qkv.models" in graph["qkv.training.task"] and "qkv.errors" in graph["qkv.config"]
+    try:
+        TopologicalSorter(graph).prepare()
+    except CycleError as e:
+        raise AssertionError(f"import circle: {' → '.join(e.args[1])}") from None
+
+
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60
+
+
+def test_files_and_functions_stay_short() -> None:
+    """Every module under 400 lines and every function under 60 (decorators and docstring included): each one
+    can be read in one sitting."""
+    long_files, long_functions = [], []
+    for path in sorted(SRC.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        if len(text.splitlines()) > MAX_FILE_LINES:
+            long_files.append(f"{path.relative_to(SRC)}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                length = (node.end_lineno or node.lineno) - first + 1
+                if length > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name}: {length} lines")
+    assert not long_files and not long_functions, long_files + long_functions

@@ -54,7 +54,7 @@ def _declared(cls: type) -> set[str]:
 
 def test_no_task_config_declares_an_inherited_field_again() -> None:
     """A task changes a default through its recipe: its config adds its own settings and declares no inherited one."""
-    from qkv.lab.induction import InductionConfig
+    from qkv.lab.induction_task import InductionConfig
 
     for cls in [config_class(task) for task in TASKS] + [InductionConfig]:
         for parent in cls.__mro__[1:]:

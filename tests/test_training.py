@@ -573,7 +573,7 @@ def test_compile_covers_the_criterion_on_one_process_and_with_several(
 ) -> None:
     """step_loss: one process compiles model and criterion as one graph; with several (the layers compiled one by
     one elsewhere) the criterion is a graph of its own. Both give eager's loss and gradients."""
-    from qkv.lab.induction import InductionTask, recipe
+    from qkv.lab.induction_task import InductionTask, recipe
     from qkv.training.compiled import step_loss
 
     graphs: list[torch.fx.GraphModule] = []

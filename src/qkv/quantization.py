@@ -4,7 +4,7 @@ Decoding one token at a time is bound by memory: each step reads every weight ma
 a single vector. Two ways to read them faster, both applied to a trained model for inference only:
 
 **int8 weights** (`quantize_int8`, `qkv generate --quantize int8`). Storing the weights in 1 byte instead of 4
-reads a quarter of the bytes, so a step can be up to 4× faster in float32 (2× against bfloat16). The
+reads a quarter of the bytes of float32 (half of bfloat16's), and the bytes read bound the step. The
 activations stay in floating point (weight-only): only the weights are rounded, which keeps a model's answers
 far better than quantising activations too. Each output channel (row of W, shape (N, K)) gets its own scale
 s_n = max_k |W_nk| / 127 and stores q_nk = round(W_nk / s_n) in [-127, 127]; then x Wᵀ ≈ (x qᵀ) · s, computed
@@ -16,8 +16,8 @@ in floating point.
 
 **Input-major float32** (`input_major`, used by `qkv generate` for one float32 sequence on the CPU). nn.Linear
 keeps W as (out, in) and computes x Wᵀ; for a single token the CPU's BLAS reads a float32 matrix faster stored
-the other way, as Wᵀ (in, out) row by row: GPT-2 small decodes ≈ 1.3× faster (benchmarks/decode.py). With
-bfloat16 weights or several sequences the usual layout is as fast or faster. A tied head gets a transposed
+the other way, as Wᵀ (in, out) row by row (benchmarks/decode.py measures it; docs/speed.md has the figures).
+With bfloat16 weights or several sequences the usual layout is as fast or faster. A tied head gets a transposed
 copy, which costs the head's size in memory once more.
 
 Linears whose matrix their module reads directly (named in its `float_linears`: MLA's kv_up, which weight
@@ -60,8 +60,8 @@ class Int8Linear(nn.Module):
         """x (…, K) → (…, N): x Wᵀ with W = q · s, returned in x's dtype."""
         flat = x.reshape(-1, self.in_features)  # (M, K)
         if flat.device.type == "cpu" and self.in_features % 16 == 0:
-            # The CPU kernel's fast path takes bfloat16 inputs (with float32 ones it is 5-15× slower than a float32
-            # matmul, benchmarks/decode.py): the product's inputs are rounded to bfloat16, its output cast back.
+            # The CPU kernel's fast path takes bfloat16 inputs (with float32 ones it is slower than a float32 matmul,
+            # benchmarks/decode.py): the product's inputs are rounded to bfloat16, its output cast back.
             # That path needs K to be a multiple of 16 (it crashes otherwise, PyTorch 2.13).
             xb = flat.to(torch.bfloat16).contiguous()
             y = torch._weight_int8pack_mm(xb, self.weight_int8, self.scales.to(torch.bfloat16)).to(x.dtype)

@@ -26,6 +26,7 @@ from qkv.attention.masks import (
 from qkv.attention.multi_head import MultiHeadAttention, MultiHeadAttentionConfig
 from qkv.attention.record import AttentionRecord, AttentionRecorder, record_attention
 from qkv.attention.sdpa import scaled_dot_product_attention
+from qkv.attention.sliding_window import SlidingWindowAttention, SlidingWindowAttentionConfig, WindowKVCache
 
 __all__ = [
     "AttentionConfig",
@@ -38,6 +39,9 @@ __all__ = [
     "LayerCache",
     "MultiHeadAttention",
     "MultiHeadAttentionConfig",
+    "SlidingWindowAttention",
+    "SlidingWindowAttentionConfig",
+    "WindowKVCache",
     "cache_length",
     "causal_mask",
     "combine_masks",

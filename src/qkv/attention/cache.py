@@ -17,9 +17,9 @@ from torch import Tensor
 def storage_dtype(t: Tensor) -> torch.dtype:
     """The dtype a cache keeps t's keys/values in: float32 for half precision on the CPU, else t's own.
 
-    PyTorch's CPU attention kernels are several times slower in bfloat16 than in float32 (benchmarks/SPEEDRUN.md,
-    decoding), so on the CPU a half-precision model's cache, and its attention, are float32; it costs twice the
-    cache's memory, and the numbers are only more exact. GPUs keep the model's dtype.
+    PyTorch's CPU attention kernels are slower in bfloat16 than in float32 (benchmarks/decode.py measures it;
+    docs/speed.md has the figures), so on the CPU a half-precision model's cache, and its attention, are float32:
+    twice the cache's memory, and numbers only more exact. GPUs keep the model's dtype.
     """
     if t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16):
         return torch.float32

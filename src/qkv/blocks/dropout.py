@@ -1,9 +1,9 @@
 """Dropout (Srivastava et al., 2014): zero each activation with probability p while training, scale the
 rest by 1 / (1 − p) so the expected value is unchanged; at inference it is the identity.
 
-On the CPU, PyTorch draws one 32-bit random number per element (bernoulli_), and that costs as much
-as a matmul of the same tensor (3000 × 512: 10 ms against 10 ms for × a 512 × 512 matrix, measured on
-2 cores). Here one 64-bit draw gives the masks of four elements: its four 16-bit words, each compared
+On the CPU, PyTorch draws one 32-bit random number per element (bernoulli_), and that costs about as much
+as a matmul of the same tensor (benchmarks/dropout.py; docs/speed.md has the figures). Here one 64-bit draw
+gives the masks of four elements: its four 16-bit words, each compared
 with p on 16 bits. The keep probability is then 1 − round(p · 2¹⁶) / 2¹⁶ (within 7.7e-6 of 1 − p), and
 the scale uses that exact value. On GPUs PyTorch's fused kernel is already fast and is used as it is, and
 under torch.compile the compiler generates the masks inside its fused kernels.

@@ -30,8 +30,8 @@ from qkv.interpret.patching import Row, plan_patching
 from qkv.models import DecoderLM
 
 MAX_PATCH_TOKENS = 32  # each layer's pass runs T copies of a T-token prompt: the work grows as L × T²
-# Parameters × tokens a whole map may run through the model (~2 FLOPs each): about 10× SmolLM2-135M's map of
-# "The capital of France is", a minute on two cores; longer prompts on large models are refused up front.
+# Parameters × tokens a whole map may run through the model (~2 FLOPs each): ten times SmolLM2-135M's map of
+# "The capital of France is"; longer prompts on large models are refused up front, before any work.
 MAX_PATCH_WORK = 2e12
 RUNNING = 1  # maps computed at once
 START_WAIT_S = 30.0  # how long a new map waits for the one before it to stop (a cancel lands within one pass)

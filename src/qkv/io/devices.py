@@ -97,9 +97,9 @@ def keep_freed_memory() -> bool:
 
     A CPU training step allocates and frees the same large activations every step. By default glibc maps
     blocks over its (adaptive) threshold fresh from the OS and trims the heap top it frees, so every step
-    page-faults its activations in again: 13 % of a translation run's CPU time was the kernel zeroing
-    pages. Serving blocks up to 32 MiB from the heap and never trimming it makes a step ~20 % faster
-    (benchmarks/translate_step.py). Linux with glibc only; elsewhere nothing changes.
+    page-faults its activations in again, and the kernel spends the time zeroing pages. Serving blocks up to
+    32 MiB from the heap and never trimming it avoids that (benchmarks/translate_step.py and
+    benchmarks/cpu_allocator.py measure it; docs/speed.md has the figures). Linux with glibc only.
     """
     if not sys.platform.startswith("linux"):
         return False

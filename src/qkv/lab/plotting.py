@@ -181,13 +181,6 @@ def fmt_vector(vector: np.ndarray, digits: int = 2, style: str = "f") -> str:
     return "[" + ", ".join(f"{float(v):{width}.{digits}{style}}" for v in vector) + "]"
 
 
-def fmt_matrix(matrix: np.ndarray, digits: int = 3, indent: str = "  ") -> str:
-    """A matrix, one row per line, columns aligned."""
-    rows = [[f"{float(v):.{digits}f}" for v in row] for row in np.atleast_2d(matrix)]
-    width = max(len(cell) for row in rows for cell in row)
-    return "\n".join(indent + " ".join(cell.rjust(width) for cell in row) for row in rows)
-
-
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> str:
     """A plain-text table: a header, a rule, right-aligned cells (floats via fmt_num); optional title."""
     cells = [[c if isinstance(c, str) else fmt_num(c) for c in row] for row in rows]

@@ -17,8 +17,8 @@ from pathlib import Path
 from qkv.lab.plotting import Section
 
 REPORT_FILE = "report.html"
-# The experiments that need no trained model, in the order the page shows them (induction trains its own, ≈ 20 s,
-# and leaves SmolLM2 to `qkv lab induction`).
+# The experiments that need no trained model, in the order the page shows them (induction trains its own small
+# model, and leaves SmolLM2 to `qkv lab induction`).
 EXPERIMENTS = ("variance", "softmax", "walkthrough", "positional", "norms", "masks", "heads", "induction")
 STYLE = """
 body { font-family: system-ui, -apple-system, 'Segoe UI', sans-serif; max-width: 72rem; margin: 2rem auto;

@@ -12,7 +12,8 @@ The tasks themselves (language model, translation, masked LM, copy/reverse) are 
 
 from qkv.training.config import RunConfig
 from qkv.training.evaluate import bits_per_byte, evaluate_loss, evaluate_sums, perplexity
-from qkv.training.loop import Hooks, StepInfo, fit
+from qkv.training.hooks import Hooks, StepInfo
+from qkv.training.loop import fit
 from qkv.training.task import Batch, Evaluation, Task, TrainResult
 
 __all__ = [

@@ -14,11 +14,8 @@ report: qkv.training.task). This loop owns everything else:
 from __future__ import annotations
 
 import contextlib
-import itertools
 import random
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -42,7 +39,6 @@ from qkv.io.run_dir import (
     BEST_FILE,
     LAST_FILE,
     PLOT_FILE,
-    migrate_state,
     new_run_refusal,
     read_metrics,
     read_run_config,
@@ -53,46 +49,17 @@ from qkv.models import config_of, model_type_of
 from qkv.training import distributed
 from qkv.training.checkpoint import PendingSave, has_checkpoint, load_checkpoint, save_checkpoint
 from qkv.training.config import RunConfig
+from qkv.training.hooks import Hooks, StepInfo
 from qkv.training.optim import apply_settings, group_settings, make_optimizer
 from qkv.training.parallelize import prepare
 from qkv.training.plots import plot_losses
 from qkv.training.progress import Progress
 from qkv.training.schedule import LRSchedule
 from qkv.training.signals import deferred_interrupt
-from qkv.training.task import Batch, Evaluation, Task, TrainResult
+from qkv.training.state import RunState
+from qkv.training.task import Batch, Evaluation, Task, TrainResult, split
 
-PLOT_EVERY_S = 30.0  # drawing loss.png takes ≈ 0.1 s (0.5 s the first time): not at every evaluation of a short run
-
-
-@dataclass
-class StepInfo:
-    """One optimiser step, as the on_step hook sees it."""
-
-    step: int
-    seconds: float  # host wall-clock of the step (drawing batches, forward, backward, optimiser); on a GPU the
-    # loop does not wait for the device, so this is the time to queue the step: synchronise to time the GPU
-    tokens: int  # tokens the step read, all processes together
-
-
-@dataclass
-class Hooks:
-    """Callbacks into the loop: benchmarks time steps with them instead of step loops of their own."""
-
-    on_model: Callable[[nn.Module], None] | None = None  # the model before training (e.g. to swap modules)
-    on_step: Callable[[StepInfo], None] | None = None  # after every optimiser step
-    evaluate: bool = True  # False: no evaluation, no checkpoint, no files: a pure timing run
-
-
-@dataclass
-class _Progress:
-    """The counters a checkpoint stores and a resumed run continues from."""
-
-    step: int = 0
-    tokens_seen: int = 0
-    elapsed_before: float = 0.0  # wall-clock seconds of earlier sessions of this run
-    overhead_s: float = 0.0  # seconds spent evaluating and checkpointing, all sessions
-    best: float | None = None
-    global_batch: int = 0  # batch_size × processes of the run's first session, kept on resume
+PLOT_EVERY_S = 30.0  # loss.png is redrawn at most this often: a short run evaluates often, and drawing is not free
 
 
 MEMORY_ADVICE = ("lower --batch-size (raising --grad-accum keeps the examples per step) or the sequence length, or "
@@ -146,16 +113,6 @@ def _mean(losses: list[torch.Tensor]) -> float:
     return sum(float(loss) for loss in losses) / len(losses)
 
 
-def split(examples: Sequence[Any], parts: int) -> list[Sequence[Any]]:
-    """`parts` contiguous slices of near-equal length (the first ones one longer where it does not divide)."""
-    if len(examples) < parts:
-        raise QkvError(f"a step's batch holds {len(examples)} examples, fewer than its {parts} micro-batches × "
-                       "processes; raise --batch-size")  # fmt: skip
-    size, extra = divmod(len(examples), parts)
-    bounds = [i * size + min(i, extra) for i in range(parts + 1)]
-    return [examples[a:b] for a, b in itertools.pairwise(bounds)]
-
-
 class _Trainer:
     """One training run on this process: the model, its optimiser and the loop's state."""
 
@@ -179,7 +136,7 @@ class _Trainer:
                                    cfg.final_lr, schedule.decay)  # fmt: skip
         self.data_gen = torch.Generator().manual_seed(seed)
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.system.dtype == "float16")
-        self.state = _Progress(global_batch=cfg.data.batch_size * ctx.world_size)  # per micro-batch, all ranks
+        self.state = RunState(global_batch=cfg.data.batch_size * ctx.world_size)  # per micro-batch, all ranks
         if hooks.evaluate:
             run_dir.mkdir(parents=True, exist_ok=True)
         if resume:
@@ -213,10 +170,7 @@ class _Trainer:
         extra = load_checkpoint(self.run_dir, self.model, self.optimizer, {"data": self.data_gen}, self.ctx,
                                 self.frozen)  # fmt: skip
         apply_settings(self.optimizer, settings)  # settings given on resume replace the stored ones
-        extra = migrate_state(extra)
-        self.state = _Progress(extra["step"], extra["tokens_seen"], extra["elapsed_s"],
-                               extra["elapsed_s"] - extra["train_s"], extra["best"],
-                               extra.get("global_batch_size", self.cfg.data.batch_size))  # fmt: skip
+        self.state = RunState.of(extra, self.cfg.data.batch_size)
 
     def elapsed(self) -> float:
         """Wall-clock seconds of training, across resumes."""
@@ -392,9 +346,7 @@ class _Trainer:
         exports = [self.run_dir / LAST_FILE] + ([self.run_dir / BEST_FILE] if improved else [])
         distributed.export_weights(self.model, exports, self.ctx, skip=self.frozen)
         self._finish_save()  # one save at a time: the previous background save is committed first
-        s = self.state
-        extra = {"step": s.step, "tokens_seen": s.tokens_seen, "elapsed_s": self.elapsed(), "train_s": train_s,
-                 "best": s.best, "global_batch_size": s.global_batch}  # fmt: skip
+        extra = self.state.extra(self.elapsed(), train_s)
         self.pending = save_checkpoint(self.run_dir, self.model, self.optimizer, extra, {"data": self.data_gen},
                                        self.ctx, frozen=bool(self.frozen),
                                        asynchronous=self.cfg.checkpoint.async_save)  # fmt: skip

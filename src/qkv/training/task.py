@@ -10,8 +10,9 @@ the end. The tasks are in qkv.tasks.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 from torch import Tensor, nn
 
+from qkv.errors import QkvError
 from qkv.io.devices import autocast_context
 from qkv.lora import LoRAConfig
 from qkv.models import QkvConfig
@@ -180,3 +182,13 @@ class Task(ABC):
         if self.tokenizer is None:
             return None
         return {"kind": self.tokenizer.kind, "vocab_size": self.tokenizer.vocab_size}
+
+
+def split(examples: Sequence[Any], parts: int) -> list[Sequence[Any]]:
+    """`parts` contiguous slices of near-equal length (the first ones one longer where it does not divide)."""
+    if len(examples) < parts:
+        raise QkvError(f"a step's batch holds {len(examples)} examples, fewer than its {parts} micro-batches × "
+                       "processes; raise --batch-size")  # fmt: skip
+    size, extra = divmod(len(examples), parts)
+    bounds = [i * size + min(i, extra) for i in range(parts + 1)]
+    return [examples[a:b] for a, b in itertools.pairwise(bounds)]

@@ -143,16 +143,9 @@ def _extensions(logp: Tensor, scores: Tensor, lengths: Tensor, finished: Tensor,
 
 @torch.no_grad()
 @cpu_threads(1)  # a step multiplies tiny matrices (B × d_model): a second thread only waits (io.devices)
-def beam_search(
-    model: Transformer,
-    src: Tensor,
-    sp: Specials,
-    beam_size: int = 4,
-    length_penalty: float = LENGTH_PENALTY,
-    max_len: int | None = None,
-    use_cache: bool = True,
-    coverage_penalty: float = 0.0,
-) -> list[list[int]]:
+def beam_search(model: Transformer, src: Tensor, sp: Specials, beam_size: int = 4,
+                length_penalty: float = LENGTH_PENALTY, max_len: int | None = None, use_cache: bool = True,
+                coverage_penalty: float = 0.0) -> list[list[int]]:  # fmt: skip
     """The best of `beam_size` hypotheses per source row, ranked by log P / lp(α) + cp(β), GNMT's score.
 
     Every sentence keeps K hypotheses; each step extends all of them by every token and keeps the K
