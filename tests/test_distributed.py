@@ -46,7 +46,7 @@ from qkv.training.distributed import (
 
 def _config(corpus: Path, out: Path, batch_size: int, **overrides: Any) -> LMConfig:
     """The in-process twin of `qkv train --data CORPUS ARGS --batch-size B --out-dir OUT`."""
-    model = {**config("lm").model, "n_layers": 1, "d_model": 32, "n_heads": 2, "dropout": 0.0}
+    model = {"n_layers": 1, "d_model": 32, "n_heads": 2, "dropout": 0.0}  # over the recipe's model
     settings: dict[str, Any] = {"data": str(corpus), "model": model, "block_size": 32, "batch_size": batch_size,
                                 "eval_interval": 5, "eval_tokens": 300, "sample_tokens": 0, "device": "cpu",
                                 "max_steps": STEPS, "out_dir": str(out)}  # fmt: skip
@@ -102,7 +102,7 @@ def test_two_ddp_processes_equal_one_process_with_twice_the_batch(single: Path, 
     # The sharded validation loss (the last one reads the whole split) equals the one-process protocol on the
     # same weights, bit for bit.
     trained = load(run, "last")
-    val = open_text(trained.config.data, trained.tokenizer).split("val")
+    val = open_text(trained.config.source, trained.tokenizer).split("val")
     assert evaluate_loss(trained.model, val, 32, 4) == _rows(run)[-1]["val_loss"]
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     sums = evaluate_sums(trained.model, val, 32, 4, token_bytes=torch.tensor(trained.require_tokenizer().token_bytes()))

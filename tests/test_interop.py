@@ -232,6 +232,42 @@ def test_bart_matches_transformers_with_padding(scale_embedding: bool, tmp_path:
     assert (ours - theirs)[tgt_keep].abs().max().item() <= TOL
 
 
+def test_bart_with_a_shape_per_side_loads_fine_tunes_and_exports(tmp_path: Path) -> None:
+    """Encoder 3 layers × 4 heads, FFN 48; decoder 1 layer × 2 heads, FFN 80: logits within 1e-4 of
+    transformers'; after a few training steps in qkv, save_hf writes what BartForConditionalGeneration loads with
+    qkv's logits, and from_hf reads it back as the same config."""
+    torch.manual_seed(0)
+    hf = BartForConditionalGeneration(BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=3, decoder_layers=1,
+                                                 encoder_attention_heads=4, decoder_attention_heads=2,
+                                                 encoder_ffn_dim=48, decoder_ffn_dim=80, max_position_embeddings=64,
+                                                 dropout=0.0, attention_dropout=0.0)).eval()  # fmt: skip
+    model = from_hf(_save(hf, tmp_path / "bart"))
+    assert isinstance(model, Transformer)
+    enc, dec = model.cfg.encoder, model.cfg.decoder
+    assert (enc.n_layers, enc.block.attention.n_heads, enc.block.ffn.d_ff) == (3, 4, 48)
+    assert (dec.n_layers, dec.block.attention.n_heads, dec.block.ffn.d_ff) == (1, 2, 80)
+    src, tgt = torch.randint(3, VOCAB, (4, 9)), torch.randint(3, VOCAB, (4, 7))
+    with torch.no_grad():
+        before = model(src, tgt)
+        assert (before - hf(input_ids=src, decoder_input_ids=tgt).logits).abs().max().item() <= TOL
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(3):  # fine-tune: teacher-forced next-token loss on the batch
+        loss = torch.nn.functional.cross_entropy(model(src, tgt[:, :-1]).flatten(0, 1), tgt[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    save_hf(model, tmp_path / "tuned")
+    exported = BartForConditionalGeneration.from_pretrained(tmp_path / "tuned").eval()
+    again = from_hf(tmp_path / "tuned")
+    with torch.no_grad():
+        ours = model(src, tgt)
+        assert (ours - before).abs().max().item() > 1e-2  # the weights moved
+        assert (exported(input_ids=src, decoder_input_ids=tgt).logits - ours).abs().max().item() <= TOL
+        assert isinstance(again, Transformer) and again.cfg == model.cfg and torch.equal(again(src, tgt), ours)
+
+
 # ---------------------------------------------------------------------------------------------
 # Export: qkv → transformers
 # ---------------------------------------------------------------------------------------------

@@ -93,8 +93,8 @@ def _write_tokenizer(directory: Path) -> int:
     return len(vocab)
 
 
-def _marian_model(vocab_size: int) -> Any:
-    """A random MarianMTModel with opus-mt's settings at a tiny size, its </s> bias raised."""
+def _marian_model(vocab_size: int, **shape: int) -> Any:
+    """A random MarianMTModel with opus-mt's settings at a tiny size, its </s> bias raised (shape: per-side sizes)."""
     pad = vocab_size - 1
     cfg: dict[str, Any] = dict(
         vocab_size=vocab_size, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
@@ -103,7 +103,7 @@ def _marian_model(vocab_size: int) -> Any:
         share_encoder_decoder_embeddings=True, normalize_before=False, decoder_start_token_id=pad,
         pad_token_id=pad, eos_token_id=0, forced_eos_token_id=0, init_std=INIT_STD,
     )  # fmt: skip
-    hf = MarianMTModel(MarianConfig(**cfg)).eval()
+    hf = MarianMTModel(MarianConfig(**{**cfg, **shape})).eval()
     with torch.no_grad():
         hf.final_logits_bias.normal_()
         hf.final_logits_bias[0, 0] = EOS_BIAS
@@ -119,6 +119,21 @@ def marian_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     vocab_size = _write_tokenizer(directory)
     torch.manual_seed(MODEL_SEED)
     _marian_model(vocab_size).save_pretrained(directory)
+    return directory
+
+
+# Each side its own heads, feed-forward width and depth, as BART's and Marian's configs allow.
+PER_SIDE = dict(encoder_layers=3, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=2,
+                encoder_ffn_dim=48, decoder_ffn_dim=96)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def per_side_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A MarianMT directory whose encoder and decoder differ in heads, feed-forward widths and layer counts."""
+    directory = tmp_path_factory.mktemp("opus-mt-per-side")
+    vocab_size = _write_tokenizer(directory)
+    torch.manual_seed(MODEL_SEED)
+    _marian_model(vocab_size, **PER_SIDE).save_pretrained(directory)
     return directory
 
 
@@ -466,3 +481,41 @@ def test_init_from_a_marian_directory_fine_tunes_it(
         theirs = _hf_model(tmp_path / "hf")(**batch, decoder_input_ids=tgt).logits
         ours = tuned(batch.input_ids, tgt, batch.attention_mask.bool()[:, None, None, :])
     assert (ours - theirs).abs().max().item() <= TOL
+
+
+def test_per_side_shapes_load_fine_tune_and_export_with_transformers_logits(
+    per_side_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Encoder 3 layers × 4 heads, FFN 48; decoder 1 layer × 2 heads, FFN 96: qkv reads each side as it is, with
+    MarianMTModel's logits; `qkv train translate --init-from` fine-tunes it; the export loads in transformers with
+    qkv's logits."""
+    model = from_hf(per_side_dir)
+    assert isinstance(model, Transformer)
+    enc, dec = model.cfg.encoder, model.cfg.decoder
+    assert (enc.n_layers, enc.block.attention.n_heads, enc.block.ffn.d_ff) == (3, 4, 48)
+    assert (dec.n_layers, dec.block.attention.n_heads, dec.block.ffn.d_ff) == (1, 2, 96)
+    batch = _hf_tokenizer(per_side_dir)(SENTENCES, return_tensors="pt", padding=True)
+    tgt = torch.randint(0, model.cfg.pad_id, (len(SENTENCES), 9))
+    tgt[:, 0] = model.cfg.pad_id
+    mask = batch.attention_mask.bool()[:, None, None, :]
+    with torch.no_grad():
+        theirs = _hf_model(per_side_dir)(**batch, decoder_input_ids=tgt).logits
+        assert (model(batch.input_ids, tgt, mask) - theirs).abs().max().item() <= TOL
+    data = tmp_path / "pairs.tsv"
+    data.write_text("".join(f"{de}\t{en}\n" for de, en in _parallel_pairs(120, seed=5)), encoding="utf-8")
+    run_dir = tmp_path / "tuned"
+    assert cli_main(["train", "translate", "--data", str(data), "--init-from", str(per_side_dir), "--batch-size",
+                     "300", "--max-steps", "3", "--eval-interval", "3", "--lr", "1e-3", "--device", "cpu",
+                     "--out-dir", str(run_dir)]) == 0  # fmt: skip
+    assert cli_main(["convert", str(run_dir), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    capsys.readouterr()
+    from qkv.tasks import load
+
+    tuned = load(run_dir).model
+    assert isinstance(tuned, Transformer) and tuned.cfg == model.cfg
+    with torch.no_grad():
+        ours = tuned(batch.input_ids, tgt, mask)
+        assert (ours - model(batch.input_ids, tgt, mask)).abs().max().item() > 1e-3  # the weights moved
+        exported = _hf_model(tmp_path / "hf")
+        assert exported.config.decoder_attention_heads == 2 and exported.config.encoder_ffn_dim == 48
+        assert (exported(**batch, decoder_input_ids=tgt).logits - ours).abs().max().item() <= TOL

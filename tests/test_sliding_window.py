@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -181,6 +182,7 @@ def test_qkv_train_with_a_sliding_window(tmp_path: Path, capsys: pytest.CaptureF
                               "2", "--eval-tokens", "2000", "--sample-tokens", "0", "--device", "cpu", "--out-dir",
                               str(run))  # fmt: skip
     assert code == 0, err
+    assert re.search(r"step +4  train [0-9.]+  val [0-9.]+", out + err)
     stored = json.loads((run / "config.json").read_text())["model"]["decoder"]["block"]["attention"]
     assert (stored["kind"], stored["window"], stored["global_every"]) == ("sliding", 8, 2)
     from qkv.tasks import load
