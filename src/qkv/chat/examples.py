@@ -86,9 +86,11 @@ class ChatSplits:
 
 
 def encode_splits(conversations: Sequence[Conversation], template: ChatTemplate, tokenizer: Tokenizer,
-                  block_size: int) -> ChatSplits:  # fmt: skip
+                  block_size: int, context: int | None = None) -> ChatSplits:  # fmt: skip
     """Render and tokenize every conversation, drop those longer than block_size + 1 tokens (a row predicts
-    block_size of them), and hold out the last tenth (at least one) for validation."""
+    block_size of them), and hold out the last tenth (at least one) for validation (context: the model's, which
+    block_size may not exceed; None: block_size)."""
+    context = block_size if context is None else context
     if len(conversations) < 2:
         raise QkvError("a chat file needs at least 2 conversations: the last tenth (at least one) is held out "
                        "for validation")  # fmt: skip
@@ -103,7 +105,11 @@ def encode_splits(conversations: Sequence[Conversation], template: ChatTemplate,
         parts.append(ChatExamples([encoded[i][0] for i in kept], [encoded[i][1] for i in kept]))
     train, val = parts
     if len(train) == 0 or len(val) == 0:
-        raise QkvError(f"no {'training' if not train else 'validation'} conversation fits --block-size "
-                       f"{block_size} (the longest has {longest} tokens); raise --block-size")  # fmt: skip
+        which = "training" if not train else "validation"
+        shortest = min(len(ids) for ids, _ in encoded)
+        fix = "raise --block-size" if shortest <= context + 1 else (
+            f"the model's context is {context} tokens: give conversations that fit it")  # fmt: skip
+        raise QkvError(f"no {which} conversation fits --block-size {block_size} (the shortest has {shortest} "
+                       f"tokens, the longest {longest}); {fix}")  # fmt: skip
     held_out = [conversations[i] for i in range(len(encoded) - n_val, len(encoded)) if fits[i]]
     return ChatSplits(train, val, len(encoded) - len(train) - len(val), longest, held_out)

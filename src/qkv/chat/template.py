@@ -26,7 +26,7 @@ Message = dict[str, str]
 class ChatTemplate:
     """A compiled chat template and the special tokens it may refer to (bos_token, eos_token)."""
 
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", origin: str | None = None) -> None:
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -41,14 +41,19 @@ class ChatTemplate:
         try:
             self._template = env.from_string(source)
         except jinja2.TemplateError as e:
-            raise QkvError(f"the chat template is not valid Jinja ({e}); {GIVE_TEMPLATE}") from None
+            if origin is not None and origin.startswith("--chat-template"):
+                raise QkvError(f"{origin} is not a valid Jinja template ({e}); fix that file") from None
+            where = f"the chat template of {origin}" if origin else "the chat template"
+            raise QkvError(f"{where} is not valid Jinja ({e}); {GIVE_TEMPLATE}") from None
         self.source = source
         self.tokens = {"bos_token": bos_token, "eos_token": eos_token}
 
     @classmethod
-    def of(cls, source: str, tokenizer: Tokenizer) -> ChatTemplate:
-        """The template with the tokenizer's end-of-text token as eos_token (a template may write it)."""
-        return cls(source, eos_token=tokenizer.decode([tokenizer.eos_id]) if tokenizer.eos_id is not None else "")
+    def of(cls, source: str, tokenizer: Tokenizer, origin: str | None = None) -> ChatTemplate:
+        """The template with the tokenizer's end-of-text token as eos_token (a template may write it); origin: where
+        it came from ("--chat-template FILE", or the model's path), for messages."""
+        eos = tokenizer.decode([tokenizer.eos_id]) if tokenizer.eos_id is not None else ""
+        return cls(source, eos_token=eos, origin=origin)
 
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
         """The conversation as the model reads it; add_generation_prompt: end with the assistant's turn opening."""

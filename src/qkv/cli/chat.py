@@ -13,6 +13,7 @@ import contextlib
 import sys
 from typing import Any
 
+from qkv.cli.common import MODEL_HELP
 from qkv.cli.runs import TextStream, run_options, sampling_options
 from qkv.errors import QkvError
 
@@ -23,9 +24,7 @@ def register(sub: Any) -> None:
     """Add chat to the `qkv` sub-parsers."""
     p = sub.add_parser("chat", help="talk to a chat model (a run, a GGUF file, a Hugging Face or convert directory)")
     p.set_defaults(handler=cmd_chat)
-    p.add_argument("run_dir", metavar="RUN|CHECKPOINT",
-                   help="a run of `qkv train` (e.g. a chat fine-tune), a .gguf file, a Hugging Face directory or a "
-                        "`qkv convert` directory")  # fmt: skip
+    p.add_argument("run_dir", metavar="MODEL", help=f"{MODEL_HELP} (e.g. a chat fine-tune)")
     p.add_argument("--system", help="the system message (default: the template's own, if it has one)")
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template, for a model without one")
     sampling_options(p)
@@ -44,7 +43,8 @@ def _session(args: argparse.Namespace) -> Any:
     if args.max_new_tokens < 1:
         raise QkvError(f"--max-new-tokens must be ≥ 1, got {args.max_new_tokens}")
     source = read_template_file(args.chat_template) if args.chat_template else None
-    lm = load_eval_model(args.run_dir, args.checkpoint, resolve_device(args.device), role="qkv chat")
+    origin = f"--chat-template {args.chat_template}" if args.chat_template else args.run_dir
+    lm = load_eval_model(args.run_dir, args.checkpoint, resolve_device(args.device), use="chat talks with")
     source = source or template_source(args.run_dir, lm.metadata)
     if source is None:
         raise QkvError(f"{args.run_dir} has no chat template; {GIVE_TEMPLATE}")
@@ -56,8 +56,8 @@ def _session(args: argparse.Namespace) -> Any:
     if args.max_new_tokens >= lm.model.cfg.context_length:
         raise QkvError(f"--max-new-tokens {args.max_new_tokens} leaves no room for the conversation in the model's "
                        f"{lm.model.cfg.context_length}-token context; lower it")  # fmt: skip
-    session = ChatSession(lm.model, tokenizer, ChatTemplate.of(source, tokenizer), sampling, args.max_new_tokens,
-                          args.system)  # fmt: skip
+    template = ChatTemplate.of(source, tokenizer, origin)
+    session = ChatSession(lm.model, tokenizer, template, sampling, args.max_new_tokens, args.system)
     return session, lm.name
 
 

@@ -7,6 +7,10 @@ import ast
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+# What every command that reads a model takes (qkv.tasks.load reads them all).
+MODEL_HELP = "a run of `qkv train`, a .gguf file, a Hugging Face directory or a `qkv convert` directory"
+CHECKPOINTS = ("best", "last")  # a run's weights: the best evaluation's, or the last checkpoint's
+
 
 class Parser(argparse.ArgumentParser):
     """argparse that reports usage errors on one line and takes options before or after positionals."""

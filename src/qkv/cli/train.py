@@ -44,6 +44,8 @@ def main(argv: list[str]) -> int:
     if unknown:
         _refuse(task, unknown, parser)
     settings = _settings(args)
+    if settings.get("init_from") is not None and task == "lm":
+        _refuse_architecture(args)
     cfg = resumed(task, settings) if settings.get("resume") else recipe(task, settings)  # checked once, here
     nproc = getattr(args, "nproc", None)
     if nproc is not None:
@@ -180,6 +182,17 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             settings[f"model.{name}"] = given[f"shortcut_{name}"]
     settings |= {f"model.{key}": value for key, value in given.get("model", [])}
     return settings
+
+
+def _refuse_architecture(args: argparse.Namespace) -> None:
+    """--init-from fixes the model: a model setting other than a dropout is refused by the flag that gave it."""
+    typed = [f"--{name.replace('_', '-')}" for name, _ in SHORTCUTS
+             if name != "dropout" and getattr(args, f"shortcut_{name}", None) is not None]  # fmt: skip
+    typed += [f"--model {key}={value}" for key, value in getattr(args, "model", None) or []
+              if not key.endswith("dropout")]  # fmt: skip
+    if typed:
+        raise QkvError(f"--init-from fixes the model's architecture; drop {', '.join(typed)} (only the dropouts may "
+                       "change when fine-tuning)")  # fmt: skip
 
 
 def _refuse(task: str, unknown: list[str], parser: argparse.ArgumentParser) -> None:

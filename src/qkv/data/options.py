@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from qkv.data.sources import ReadOptions
 from qkv.errors import QkvError
 from qkv.tokenizers.base import ENDOFTEXT
+from qkv.tokenizers.bpe import check_bpe_vocab
 
 SHARD_TOKENS = 100_000_000  # llm.c's FineWeb shards hold 10⁸ tokens
 TRAIN_FRACTION = 0.9  # a single document: the first 90 % of its characters train
@@ -31,11 +32,13 @@ class TokenizerRecipe:
     special_tokens: tuple[str, ...] = (ENDOFTEXT,)  # bpe: the vocabulary's first ids
 
     def __post_init__(self) -> None:
-        """Refuse an unknown kind and a sample of nothing."""
+        """Refuse an unknown kind, a sample of nothing and a BPE vocabulary size out of range."""
         if self.kind not in ("char", "bpe"):
             raise QkvError(f"a tokenizer made from the corpus is char or bpe, not {self.kind!r}")
         if self.sample_bytes < 1:
             raise QkvError(f"--sample-bytes must be positive, got {self.sample_bytes}")
+        if self.kind == "bpe":
+            check_bpe_vocab(self.vocab_size)
 
 
 @dataclass(frozen=True)

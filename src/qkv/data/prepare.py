@@ -65,6 +65,10 @@ def prepare(
     tokenizer: a ready one (GPT-2's, a run's, a checkpoint's: `tokenizer_name` says which) or a recipe.
     """
     out = Path(out)
+    same = [str(i) for i in inputs if Path(i).resolve() == out.resolve()]
+    if same:
+        raise QkvError(f"--out {out} is the input directory itself; write the shards to another one, e.g. --out "
+                       f"{out.resolve().name}-data")  # fmt: skip
     paths = [p for p in expand_inputs(inputs) if out.resolve() not in p.parents]  # never its own output
     if not any(p.stat().st_size for p in paths):
         what = f"{paths[0]} is empty" if len(paths) == 1 else f"all {len(paths)} inputs are empty"

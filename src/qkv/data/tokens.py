@@ -25,6 +25,8 @@ from qkv.data.shards import ShardInfo, read_header
 from qkv.errors import QkvError
 from qkv.io.files import load_json
 from qkv.tokenizers import Tokenizer, load_tokenizer
+from qkv.tokenizers.base import CONFIG_FILE as TOKENIZER_CONFIG_FILE
+from qkv.tokenizers.base import TOKENIZER_FILE
 
 SPLIT_NAMES = ("train", "val")
 
@@ -99,6 +101,12 @@ class TokenSplit:
                            f"vocabulary of {self.vocab_size:,} tokens: it was made with another tokenizer; prepare "
                            "the data again with the run's tokenizer")  # fmt: skip
 
+    def check_ids(self, sample: int = 1 << 20) -> None:
+        """Refuse a shard whose first or last `sample` tokens hold an id outside the vocabulary, before training
+        starts (a shard made with another tokenizer shows it at once); windows are checked again as they are read."""
+        for s, array in enumerate(self.arrays):
+            self._check(np.concatenate([array[:sample], array[-sample:]]), [s])
+
     def dim(self) -> int:
         """1: a split is a 1-D sequence (so it passes where a 1-D tensor of ids does)."""
         return 1
@@ -156,6 +164,10 @@ def open_data(directory: str | Path) -> TokenData:
     if (directory / PROGRESS_FILE).is_file():
         raise QkvError(f"{directory} holds an unfinished preparation (no {META_FILE}); run the same `qkv prepare` "
                        "command again to finish it")  # fmt: skip
+    own = sorted(p.name for p in directory.iterdir() if p.name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE))
+    if own:  # llm.c's shards come alone: a tokenizer beside them says `qkv prepare` wrote them, and meta.json went
+        raise QkvError(f"{directory} has shards and {', '.join(own)} but no {META_FILE}: without it the shards' "
+                       f"tokenizer and splits are unknown; prepare the data again (`qkv prepare INPUT... --out DIR`)")
     return _llmc_dir(directory)
 
 

@@ -58,12 +58,13 @@ class RunLibrary:
         return str(path.relative_to(self.base)) if path.is_relative_to(self.base) else str(path)
 
     def _info(self, path: Path) -> RunInfo | None:
-        """The run at `path`, or None when it is no run directory of a task with text (config.json read once)."""
-        from qkv.io.run_dir import read_run_config  # imports torch: not before the server listens
+        """The run (or language-model checkpoint) at `path`, or None when it is none of a task with text (read
+        once)."""
+        from qkv.tasks.checkpoint import model_task  # imports torch: not before the server listens
 
         if path not in self._infos:
             try:
-                task = read_run_config(path)["task"]
+                task: str | None = model_task(path)
             except (QkvError, OSError, KeyError):
                 task = None
             self._infos[path] = RunInfo(self._name(path), task, path) if task in TASKS else None
@@ -89,7 +90,8 @@ class RunLibrary:
                                     f"({', '.join(self._name(r) for r in self.roots)})")  # fmt: skip
         info = self._info(path)
         if info is None:
-            raise RequestError(404, f"no run named {name!r}: it is not a run directory of a task with text")
+            raise RequestError(404, f"no run named {name!r}: it is not a run of a task with text, nor a checkpoint "
+                                    "of a language model")  # fmt: skip
         return info
 
     def load(self, name: str) -> Any:
@@ -104,7 +106,8 @@ class RunLibrary:
                 except QkvError:
                     raise
                 except Exception as err:  # a damaged run: its files, not the request, are at fault
-                    raise RequestError(422, f"cannot read the run {name!r}: {type(err).__name__}: {err}") from err
+                    raise RequestError(422, f"cannot read the run {name!r}: its files are damaged or incomplete; "
+                                            "open another run") from err  # fmt: skip
             return self._loaded[info.path]
 
 

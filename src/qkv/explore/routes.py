@@ -83,7 +83,9 @@ def model(library: RunLibrary, body: Body) -> dict[str, Any]:
 def attention(library: RunLibrary, body: Body) -> dict[str, Any]:
     """POST /api/attention."""
     run = _run(library, body)
-    layer, head = body.optional_integer("layer", -(2**31), 2**31), body.optional_integer("head", -(2**31), 2**31)
+    cfg = run.model.cfg  # the ranges the model has, for the message a value outside them gets
+    layer = body.optional_integer("layer", 0, max(cfg.depths()) - 1)
+    head = body.optional_integer("head", 0, cfg.max_heads() - 1)
     return model_panel.attention(run, body.text("text"), layer, head)
 
 

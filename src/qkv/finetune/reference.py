@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from qkv.errors import QkvError
-from qkv.io.files import file_sha256, load_json
+from qkv.io.files import PICKLE_SUFFIXES, file_sha256, load_json
 from qkv.io.run_dir import CONFIG_FILE
 from qkv.lora import LoRAConfig
 
@@ -32,6 +32,9 @@ def checkpoint_kind(path: Path, role: str = "--init-from") -> str:
         return "qkv"
     if path.is_dir() and (path / CONFIG_FILE).is_file() and any(path.glob(f"*{_WEIGHT_SUFFIX}")):
         return "hf"
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES) if path.is_dir() else []
+    if pickles:
+        raise QkvError(f"refusing to load pickle file(s) {', '.join(pickles)} in {path}: qkv only reads safetensors")
     raise QkvError(f"{role} {path} is not a checkpoint: give a .gguf file, a Hugging Face directory "
                    "(config.json + safetensors), a `qkv convert` directory or a qkv run")  # fmt: skip
 

@@ -143,10 +143,14 @@ def _tokenizer(reader: Any) -> Any:
 def _open(path: Path) -> Any:
     """A GGUFReader over a llama-architecture file (it maps the file: nothing is read until asked for)."""
     gguf = _import_gguf()
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise QkvError(f"{path} is not a GGUF file (it does not start with GGUF's magic bytes)")
     try:
         reader = gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError, struct.error, … on a damaged file
-        raise QkvError(f"{path} is not a readable GGUF file ({e})") from e
+    except Exception as e:  # the reader raises ValueError, IndexError, struct.error … where the file stops short
+        raise QkvError(f"{path} is incomplete or damaged: it ends before the data its header describes "
+                       f"({path.stat().st_size:,} bytes); copy or download it again") from e  # fmt: skip
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise QkvError(f"GGUF architecture {arch!r} is not supported: qkv reads llama-architecture GGUF files")

@@ -178,9 +178,9 @@ def load_safetensors(path: Path) -> dict[str, Tensor]:
         raise QkvError(f"{path} is not a valid safetensors file ({problem})")
     try:
         return safetensors.torch.load_file(path, device="cpu")
-    except Exception as e:  # SafetensorError is not importable under a stable public name
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise QkvError(f"{path} is not a valid safetensors file ({reason})") from e
+    except Exception as e:  # SafetensorError is not importable under a stable public name; its text is internal
+        raise QkvError(f"{path} is damaged or incomplete (safetensors cannot read its tensors); copy or write it "
+                       "again") from e  # fmt: skip
 
 
 def load_json(path: Path, what: str = "file") -> dict[str, Any]:

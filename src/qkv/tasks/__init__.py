@@ -160,20 +160,25 @@ def resumed(task: str, settings: Mapping[str, Any]) -> RunConfig[Any]:
     return config_class(task).resume(stored, settings)
 
 
-def load(
-    run_dir: str | Path, checkpoint: str = "best", device: str | torch.device = "cpu", expect: str | None = None
-) -> Any:
-    """A run directory's model (best or last weights), tokenizer and settings, as its task's LoadedRun.
+def load(path: str | Path, checkpoint: str = "best", device: str | torch.device = "cpu", expect: str | None = None,
+         role: str = "") -> Any:  # fmt: skip
+    """A run directory's model (best or last weights), tokenizer and settings, as its task's LoadedRun; or the
+    language model of a .gguf file, a Hugging Face directory or a `qkv convert` directory, as a language-model run.
 
-    expect: a task name; a run of another task is refused with a one-line error.
+    expect: a task name; a model of another task is refused with a one-line error. role: the command that reads
+    the model, for messages.
     """
     from qkv.io.run_dir import read_run_config
+    from qkv.tasks.checkpoint import load_checkpoint, run_task
 
-    stored = read_run_config(Path(run_dir))
+    where = Path(path)
+    if run_task(where) is None:
+        return load_checkpoint(where, device, expect, role or "the model")
+    stored = read_run_config(where)
     if expect is not None and stored["task"] != expect:
-        raise QkvError(f"{run_dir} holds a {stored['task']} run, not a {_entry(expect).kind}")
+        raise QkvError(f"{path} holds a {stored['task']} run, not a {_entry(expect).kind}")
     cfg = config_class(stored["task"]).from_stored(stored)
-    return run_class(cfg).load(Path(run_dir), checkpoint, device, stored)
+    return run_class(cfg).load(where, checkpoint, device, stored)
 
 
 __all__ = ["TASKS", "TaskEntry", "config_class", "load", "recipe", "resumed", "run_class", "task_class", "train"]

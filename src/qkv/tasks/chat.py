@@ -79,7 +79,8 @@ class ChatTask(FinetuneTask):
         self.cfg = cfg = dataclasses.replace(cfg, block_size=self._block_size())
         self.tokenizer = load_tokenizer(run_dir) if resume else self.base.tokenizer  # type: ignore[union-attr]
         self.template = self._template(run_dir if resume else None)
-        self.splits: ChatSplits = encode_splits(conversations, self.template, self.tokenizer, cfg.window)
+        self.splits: ChatSplits = encode_splits(conversations, self.template, self.tokenizer, cfg.window,
+                                                cfg.model.context_length)  # fmt: skip
 
     def _block_size(self) -> int:
         """The context conversations get: --block-size, or the checkpoint's (at most MAX_BLOCK_SIZE); never more."""
@@ -105,7 +106,8 @@ class ChatTask(FinetuneTask):
         if source is None:
             raise QkvError(f"--init-from {cfg.init_from} has no chat template to render {cfg.source} with; "
                            f"{GIVE_TEMPLATE}")  # fmt: skip
-        return ChatTemplate.of(source, tokenizer)
+        origin = f"--chat-template {cfg.chat_template}" if cfg.chat_template is not None else str(cfg.init_from)
+        return ChatTemplate.of(source, tokenizer, origin)
 
     def describe(self) -> str:
         """Conversations, tokens, the share the loss trains on, and how many were too long."""
@@ -148,7 +150,7 @@ class ChatTask(FinetuneTask):
         """The final validation loss, and the tuned model's greedy reply to the first validation conversation."""
         loss = result.val_loss
         lines = [f"\nvalidation loss {loss:.4f} on the assistant's tokens (perplexity {perplexity(loss):.2f}) after "
-                 f"{result.step} steps, {result.elapsed_s:.0f} s — run saved in {result.run_dir}"]  # fmt: skip
+                 f"{result.step} steps, {result.took()} — run saved in {result.run_dir}"]  # fmt: skip
         conversation = self.splits.val_conversations[0].messages
         turn = next(i for i, m in enumerate(conversation) if m["role"] == "assistant")
         if self.cfg.sample_tokens > 0 and turn > 0 and conversation[turn - 1]["role"] == "user":

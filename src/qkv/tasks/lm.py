@@ -11,7 +11,7 @@ each token's bytes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal, cast
@@ -29,6 +29,8 @@ from qkv.data.options import TokenizerRecipe
 from qkv.data.tokens import TokenData, TokenSplit
 from qkv.errors import QkvError
 from qkv.generation import Sampling, generate
+from qkv.io.progress import ProgressLine, batch_progress
+from qkv.io.run_dir import read_metrics
 from qkv.lora import LoRAConfig
 from qkv.models import DecoderLM, DecoderLMConfig, EmbeddingConfig
 from qkv.norms import NormConfig
@@ -58,7 +60,8 @@ class LMConfig(TextConfig[DecoderLMConfig]):
     eval_tokens: int | None = option(8192, "validation tokens read by periodic evaluations, spread over the split "
                                      "(none: all)")  # fmt: skip
     final_eval_tokens: int | None = option(None, "validation tokens read by the last evaluation and `qkv eval` "
-                                           "(none: all)")  # fmt: skip
+                                           "(none: the whole split, or as many tokens as the run trained on when the "
+                                           "split is longer; 0: always the whole split)")  # fmt: skip
     sample_tokens: int = option(400, "tokens sampled when training ends (0 = none)")
     init_from: str | None = option(None, "fine-tune this checkpoint: a .gguf file, a Hugging Face directory, a `qkv "
                                    "convert` directory or a qkv run; its architecture and tokenizer are the run's",
@@ -68,12 +71,23 @@ class LMConfig(TextConfig[DecoderLMConfig]):
     chat_template: str | None = option(None, "a Jinja chat template file for conversation data (--data chat.jsonl) "
                                        "on a checkpoint without one", fixed=True)  # fmt: skip
 
+    @classmethod
+    def _from_flat(cls, flat: Mapping[str, Any]) -> dict[str, Any]:
+        """A flat (qkv-run/1) config; its last evaluation read the whole split when final_eval_tokens was none."""
+        return super()._from_flat({**flat, "final_eval_tokens": flat.get("final_eval_tokens") or 0})
+
+    def final_budget(self, tokens_seen: int | None) -> int | None:
+        """The tokens the last evaluation reads (None: the whole split) after a run that trained on tokens_seen."""
+        if self.final_eval_tokens is not None:
+            return self.final_eval_tokens or None
+        return None if not tokens_seen else max(tokens_seen, self.eval_tokens or 0)
+
     def check(self) -> None:
         """The shared checks, then the language model's own."""
         super().check()
         for name in ("eval_tokens", "final_eval_tokens"):
             value = getattr(self, name)
-            if value is not None and value < 2:
+            if value is not None and value < 2 and not (name == "final_eval_tokens" and value == 0):
                 raise QkvError(f"{name.replace('_', '-')} must be ≥ 2, got {value}")
         if self.sample_tokens < 0:
             raise QkvError(f"sample-tokens must be ≥ 0, got {self.sample_tokens}")
@@ -181,6 +195,8 @@ class LMTask(NextToken, Task):
         self.token_bytes = token_bytes_of(self.tokenizer)
         self.train = self.data.split("train")
         check_window_fits(self.cfg.window, self.train)
+        for split in (self.train, self.data.split("val")):  # before the run directory exists: nothing left behind
+            split.check_ids()
 
     def model_config(self) -> DecoderLMConfig:
         """The run's model over the tokenizer's vocabulary, with a context of block_size tokens unless it has one."""
@@ -188,6 +204,9 @@ class LMTask(NextToken, Task):
         model = self.cfg.model
         vocab = vocabulary(model.vocab_size, self.tokenizer)
         cfg = replace(model, vocab_size=vocab, max_positions=model.max_positions or self.cfg.window)
+        if cfg.context_length < self.cfg.window and self.cfg.init_from is not None:
+            raise QkvError(f"--block-size {self.cfg.window} is longer than --init-from's context of "
+                           f"{cfg.context_length} tokens; give at most {cfg.context_length}")  # fmt: skip
         if cfg.context_length < self.cfg.window:
             raise QkvError(f"--block-size {self.cfg.window} is longer than the model's context of {cfg.context_length} "
                            "tokens (--model max_positions); lower --block-size or raise max_positions")  # fmt: skip
@@ -218,11 +237,12 @@ class LMTask(NextToken, Task):
         """The validation loss by `qkv eval`'s protocol (periodically over eval_tokens tokens, if set), and its bits
         per byte where the tokenizer says each token's bytes."""
         assert self.data is not None
-        cfg, max_tokens = self.cfg, self.cfg.final_eval_tokens if ev.full else self.cfg.eval_tokens
+        cfg = self.cfg
+        max_tokens = cfg.final_budget(ev.tokens_seen) if ev.full else cfg.eval_tokens
         rows = eval_rows(cfg.data.batch_size, cfg.window, self.data.tokenizer.vocab_size)
         with ev.autocast():
             sums = evaluate_sums(ev.forward, self.data.split("val"), cfg.window, rows, ev.ctx.device, max_tokens,
-                                 ev.ctx, self.token_bytes)  # fmt: skip
+                                 ev.ctx, self.token_bytes, ev.progress)  # fmt: skip
         return {"val_loss": sums.mean, **_bpb(sums)}
 
     @property
@@ -235,7 +255,7 @@ class LMTask(NextToken, Task):
         loss, bpb = result.val_loss, result.final.get("val_bpb")
         also = "" if bpb is None else f", {bpb:.3f} bits per byte"
         lines = [f"\nvalidation loss {loss:.4f} (perplexity {perplexity(loss):.2f}{also}) after {result.step} steps, "
-                 f"{result.elapsed_s:.0f} s — run saved in {result.run_dir}"]  # fmt: skip
+                 f"{result.took()} — run saved in {result.run_dir}"]  # fmt: skip
         if self.cfg.sample_tokens > 0:
             lines += self.sample(result.run_dir)
         prompt = "ROMEO:" if self.cfg.source is None else "The"
@@ -284,22 +304,30 @@ class LMRun(LoadedRun):
         """Loss, perplexity and bits per byte (where the tokenizer says its tokens' bytes) over the validation split
         (final_eval_tokens of it, if set), in windows of the training block size: training's last evaluation."""
         options.refuse_beam_options(self.task)
-        cfg, val = self.config, self.validation_data()
+        cfg, val, budget = self.config, self.validation_data(), self.final_budget()
         rows = eval_rows(options.batch_size, cfg.window, self.model.embed.vocab_size)
-        sums = evaluate_sums(self.model, val, cfg.window, rows, self.device, cfg.final_eval_tokens,
-                             token_bytes=token_bytes_of(self.require_tokenizer()))  # fmt: skip
+        show = ProgressLine(log_every_s=10)
+        sums = evaluate_sums(self.model, val, cfg.window, rows, self.device, budget,
+                             token_bytes=token_bytes_of(self.require_tokenizer()),
+                             progress=batch_progress(show, "evaluating"))  # fmt: skip
+        show.close_if_drawn()
         loss, bpb = sums.mean, _bpb(sums).get("val_bpb")
         also = "" if bpb is None else f"  bits per byte {bpb:.3f}"
-        read = len(val) if cfg.final_eval_tokens is None else min(len(val), cfg.final_eval_tokens)
+        read = len(val) if budget is None else min(len(val), budget)
         return [f"val loss {loss:.4f}  perplexity {perplexity(loss):.3f}{also}  ({read - 1:,} positions, "
                 f"block size {cfg.window}, {self.checkpoint} weights)"]  # fmt: skip
+
+    def final_budget(self) -> int | None:
+        """The tokens training's last evaluation read (None: the whole split), from the tokens the run trained on."""
+        rows = read_metrics(self.directory)
+        return self.config.final_budget(rows[-1].get("tokens_seen") if rows else None)
 
     def val_loss(self, batch_size: int = 32, val: TokenSplit | None = None) -> float:
         """The validation loss training's last evaluation measures: final_eval_tokens of the split, or all of it."""
         cfg = self.config
         val = self.validation_data() if val is None else val
         rows = eval_rows(batch_size, cfg.window, self.model.embed.vocab_size)
-        return evaluate_loss(self.model, val, cfg.window, rows, self.device, cfg.final_eval_tokens)
+        return evaluate_loss(self.model, val, cfg.window, rows, self.device, self.final_budget())
 
 
 def _bpb(sums: LossSums) -> dict[str, float]:

@@ -234,7 +234,7 @@ class MLMTask(Task):
         accuracy, base = result.final["val_accuracy"], self.baseline()
         lines = [f"\nmasked-token accuracy {accuracy:.1%} (always guessing the commonest token: {base:.1%}, "
                  f"{accuracy / base:.1f}×), val loss {result.val_loss:.4f} after {result.step} steps, "
-                 f"{result.elapsed_s:.0f} s — run saved in {result.run_dir}"]  # fmt: skip
+                 f"{result.took()} — run saved in {result.run_dir}"]  # fmt: skip
         run = MLMRun.load(result.run_dir)
         for text in ("My lord, I <mask> you.", "What is your <mask>?"):
             lines.append(f"{text!r} → {run.fill_mask(text)}")

@@ -148,7 +148,7 @@ class ToyTask(Task):
     def summary(self, result: TrainResult) -> str:
         """The held-out exact-match rate."""
         return (f"\nexact match {result.final['val_exact_match']:.1%} on {self.cfg.n_test:,} held-out sequences after "
-                f"{result.step} steps, {result.elapsed_s:.0f} s — run saved in {result.run_dir}")  # fmt: skip
+                f"{result.step} steps, {result.took()} — run saved in {result.run_dir}")  # fmt: skip
 
 
 class ReverseTask(ToyTask):

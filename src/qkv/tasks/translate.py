@@ -254,7 +254,7 @@ class TranslateTask(Task):
         """The final validation loss and BLEU, and what to try next."""
         final = result.final
         return (f"\nval loss {final['val_loss']:.4f}, val BLEU {final['val_bleu']:.2f} (best {result.best or 0:.2f}) "
-                f"after {result.step} steps, {result.elapsed_s:.0f} s — run saved in {result.run_dir}\n"
+                f"after {result.step} steps, {result.took()} — run saved in {result.run_dir}\n"
                 f"more: qkv translate {result.run_dir} 'Wie geht es dir?'   |   qkv eval {result.run_dir}")  # fmt: skip
 
 

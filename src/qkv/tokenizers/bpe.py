@@ -20,6 +20,13 @@ MIN_BPE_VOCAB = 257
 MAX_BPE_VOCAB = 1_000_000
 
 
+def check_bpe_vocab(vocab_size: int) -> None:
+    """Refuse a BPE vocabulary size outside [MIN_BPE_VOCAB, MAX_BPE_VOCAB] in one line, before any learning."""
+    if not MIN_BPE_VOCAB <= vocab_size <= MAX_BPE_VOCAB:
+        raise QkvError(f"BPE vocab size must be between {MIN_BPE_VOCAB} (256 bytes + <|endoftext|>) and "
+                       f"{MAX_BPE_VOCAB:,}, got {vocab_size}")  # fmt: skip
+
+
 class ByteBPETokenizer(Tokenizer):
     """Byte-pair encoding over UTF-8 bytes: any text encodes (no unknown tokens) and decodes exactly."""
 
@@ -37,11 +44,7 @@ class ByteBPETokenizer(Tokenizer):
     ) -> ByteBPETokenizer:
         """Learn merges on a text (or texts: documents, or pieces of one cut between pre-tokens) until the
         vocabulary (bytes + specials + merges) has `vocab_size` tokens."""
-        if not MIN_BPE_VOCAB <= vocab_size <= MAX_BPE_VOCAB:
-            raise QkvError(
-                f"BPE vocab size must be between {MIN_BPE_VOCAB} (256 bytes + <|endoftext|>) "
-                f"and {MAX_BPE_VOCAB:,}, got {vocab_size}"
-            )
+        check_bpe_vocab(vocab_size)
         texts = [texts] if isinstance(texts, str) else list(texts)
         if not any(texts):
             raise QkvError("cannot train a BPE tokenizer on empty text")

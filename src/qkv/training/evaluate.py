@@ -82,12 +82,14 @@ def evaluate_sums(
     max_tokens: int | None = None,
     ctx: DistContext | None = None,
     token_bytes: Tensor | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> LossSums:
     """evaluate_loss's sums; with token_bytes (each id's UTF-8 bytes, 0 for special tokens), also bits per byte's.
 
     With a DistContext of several processes, rank r evaluates batches r, r + N, …; each batch's sums are put
     at its index in a matrix that is all-reduced (x + 0 is exact) and summed in order: bit-identical to one
-    process. Batches are read one at a time, so a split larger than memory is fine.
+    process. Batches are read one at a time, so a split larger than memory is fine. progress: called with (batches
+    done, batches in all) after each batch.
     """
     plan = eval_batches(data, block_size, batch_size, max_tokens)
     world, rank = (ctx.world_size, ctx.rank) if ctx is not None and ctx.enabled else (1, 0)
@@ -101,6 +103,8 @@ def evaluate_sums(
         logits = model(x.to(device)).flatten(0, 1).float()  # (B·T, V)
         targets = y.to(device).flatten()
         loss = F.cross_entropy(logits, targets, reduction="sum")
+        if progress is not None:
+            progress(min(index + 1, len(plan)) if world == 1 else i + 1, math.ceil(len(plan) / world))
         if index >= len(plan):
             continue
         sums[index, 0] = float(loss)

@@ -14,6 +14,7 @@ report: qkv.training.task). This loop owns everything else:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import time
 from datetime import datetime
@@ -35,6 +36,7 @@ from qkv.io.devices import (
     resolve_device,
     resolve_dtype,
 )
+from qkv.io.progress import batch_progress
 from qkv.io.run_dir import (
     BEST_FILE,
     LAST_FILE,
@@ -76,6 +78,7 @@ def fit(task: type[Task], cfg: RunConfig[Any], verbose: bool = True, hooks: Hook
 
     A resumed run's cfg is its stored config with the settings given on resume over it (qkv.tasks.resumed).
     """
+    began = time.monotonic()
     stored = stored_run(task, cfg) if cfg.checkpoint.resume else None  # the config.json of the run to continue
     if stored is not None and type(cfg).from_stored(stored).model != cfg.model:
         raise QkvError(f"this config's model is not the one the run in {cfg.checkpoint.out_dir} trains; resume it "
@@ -93,7 +96,8 @@ def fit(task: type[Task], cfg: RunConfig[Any], verbose: bool = True, hooks: Hook
         cfg = cfg.override({"system.dtype": resolve_dtype(system.dtype, ctx.device)})  # the run says what it used
         with cpu_threads(system.cpu_threads, ctx.device), matmul_precision(ctx.device, cfg.system.dtype), \
                 out_of_memory_advice(ctx.device, MEMORY_ADVICE):  # fmt: skip
-            return _Trainer(task(cfg), run_dir, ctx, verbose, hooks or Hooks(), stored).run()
+            result = _Trainer(task(cfg), run_dir, ctx, verbose, hooks or Hooks(), stored).run()
+    return dataclasses.replace(result, started=began)
 
 
 def stored_run(task: type[Task], cfg: RunConfig[Any]) -> dict[str, Any]:
@@ -176,8 +180,8 @@ class _Trainer:
         """Wall-clock seconds of training, across resumes."""
         return self.state.elapsed_before + time.monotonic() - self.start
 
-    def run(self) -> TrainResult:
-        """Train until max_steps, the time budget or Ctrl-C; evaluate and checkpoint on the way."""
+    def _announce(self) -> None:
+        """The run's first line: parameters, data, device, precision and processes; and a note on its schedule."""
         n_params = sum(p.numel() for p in self.model.parameters())
         trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         counted = f"{n_params / 1e6:.2f} M parameters" + (f" ({trained / 1e6:.2f} M train)" if self.frozen else "")
@@ -191,6 +195,15 @@ class _Trainer:
         precision = "" if dtype == "float32" and not tf32 else f" ({dtype} autocast{tf32})"
         self.progress.log(f"qkv train {self.task.name}: {counted}, {data}device "
                           f"{self.ctx.device}{precision}{layout}, run dir {self.run_dir}")  # fmt: skip
+        schedule = self.cfg.schedule
+        if 0 < schedule.max_steps <= schedule.warmup_steps:
+            self.progress.log(f"note: every step is warm-up (--warmup-steps {schedule.warmup_steps} ≥ --max-steps "
+                              f"{schedule.max_steps}): the learning rate never reaches --lr {self.cfg.optim.lr:g}; "
+                              "lower --warmup-steps or raise --max-steps")  # fmt: skip
+
+    def run(self) -> TrainResult:
+        """Train until max_steps, the time budget or Ctrl-C; evaluate and checkpoint on the way."""
+        self._announce()
         self.model.train()
         first_step, first_tokens = self.state.step, self.state.tokens_seen
         if self.state.step >= self.cfg.schedule.max_steps:
@@ -296,8 +309,11 @@ class _Trainer:
         """The task's evaluation with dropout off, then back to training mode."""
         self.model.eval()
         with torch.no_grad():
-            ev = Evaluation(self.model, self.train_model, self.ctx, self.cfg.system.dtype, full)
+            show = batch_progress(self.progress, "last evaluation" if full else "evaluating")
+            ev = Evaluation(self.model, self.train_model, self.ctx, self.cfg.system.dtype, full,
+                            self.state.tokens_seen, show)  # fmt: skip
             results = self.task.evaluate(ev)
+            self.progress.clear()
         self.model.train()
         return results
 

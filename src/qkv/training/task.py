@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -51,7 +52,9 @@ class Evaluation:
     forward: Callable[..., Any]  # the model as the loop calls it (compiled, or wrapped for several processes)
     ctx: DistContext
     dtype: str
-    full: bool  # True: the whole split, whatever a task's cheaper periodic evaluation would read
+    full: bool  # True: the last evaluation (a task's periodic ones may read less)
+    tokens_seen: int = 0  # tokens the run has trained on so far, all processes together
+    progress: Callable[[int, int], None] | None = None  # (batches done, in all), for a task's loop over batches
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The run's mixed-precision context."""
@@ -71,11 +74,17 @@ class TrainResult:
     interrupted: bool = False
     metrics: list[dict[str, Any]] = field(default_factory=list)
     trained: Task | None = field(default=None, repr=False, compare=False)  # the task, for its summary
+    started: float | None = None  # time.monotonic() when the run began (its data read, its model built)
 
     @property
     def val_loss(self) -> float:
         """The final validation loss (the `qkv eval` protocol of the task)."""
         return self.final.get("val_loss", float("nan"))
+
+    def took(self) -> str:
+        """'17 s of training and evaluation, 21 s since the run began': what each figure counts."""
+        since = "" if self.started is None else f", {time.monotonic() - self.started:.0f} s since the run began"
+        return f"{self.elapsed_s:.0f} s of training and evaluation{since}"
 
     def summary(self) -> str:
         """What the task shows when training ends (`qkv train` prints it)."""
@@ -162,7 +171,7 @@ class Task(ABC):
 
     def summary(self, result: TrainResult) -> str:
         """What `qkv train` shows when the run ends."""
-        return f"val loss {result.val_loss:.4f} after {result.step} steps, {result.elapsed_s:.0f} s"
+        return f"val loss {result.val_loss:.4f} after {result.step} steps, {result.took()}"
 
     def save(self, run_dir: Path) -> None:
         """Write the task's own files into a new run directory (the tokenizer)."""
