@@ -41,7 +41,8 @@ from qkv.lab.plotting import heatmap, new_figure
 from qkv.tasks.toy import FIRST_DIGIT, SPECIALS
 
 run_dir = tempfile.mkdtemp(prefix="qkv-reverse-")
-result = qkv.train(qkv.ReverseConfig(max_steps=300, n_test=200, out_dir=run_dir), verbose=False)
+config = qkv.recipe("reverse", {"max_steps": 300, "n_test": 200, "out_dir": run_dir})  # the task's recipe, changed
+result = qkv.train(config, verbose=False)
 run = qkv.load(run_dir)
 model = run.model
 exact = result.final["val_exact_match"]
@@ -49,8 +50,12 @@ print(f"{result.step} steps in {result.elapsed_s:.0f} s; held-out sequences reve
 
 # %% [markdown]
 # ## The parts of the model
+# The run's model config is a tree of component configs: an embedding, then an encoder stack and a decoder
+# stack, each `n_layers` layers of one block (its attention, feed-forward and norm). The model is built
+# along the same tree.
 
 # %%
+print(run.config.model.decoder)
 print(model)
 
 # %% [markdown]

@@ -35,13 +35,17 @@ from qkv.lab.plotting import COLORS, label, new_figure
 
 torch.manual_seed(0)
 d_c, d_r = 64, 16  # MLA's latent and its rotary key: the numbers it caches per token and layer
-base = {"vocab_size": 100, "d_model": 256, "n_heads": 8, "n_layers": 2, "max_positions": 256, "positions": "rotary"}
+# One small model, then three that differ only in their blocks' attention: `override` changes a part of the
+# config tree by its path (attention.n_kv_heads stands for decoder.block.attention.n_kv_heads), and setting
+# "attention" to "mla" switches its kind, keeping the settings both kinds share (n_heads, bias, dropout).
+base = DecoderLMConfig.of(vocab_size=100, d_model=256, n_heads=8, n_layers=2, max_positions=256, positions="rotary")
 variants = {
-    "MHA": DecoderLMConfig(**base),
-    "GQA (2 kv heads)": DecoderLMConfig(**base, n_kv_heads=2),
-    "MQA (1 kv head)": DecoderLMConfig(**base, n_kv_heads=1),
-    "MLA": DecoderLMConfig(**base, attention="mla", kv_lora_rank=d_c, qk_rope_head_dim=d_r),
+    "MHA": base,
+    "GQA (2 kv heads)": base.override({"attention.n_kv_heads": 2}),
+    "MQA (1 kv head)": base.override({"attention.n_kv_heads": 1}),
+    "MLA": base.override({"attention": "mla", "attention.kv_lora_rank": d_c, "attention.qk_rope_head_dim": d_r}),
 }
+print(variants["MLA"].decoder.block.attention)
 ids = torch.randint(0, 100, (1, 100))
 bytes_per_token = {}
 for name, cfg in variants.items():
@@ -50,7 +54,7 @@ for name, cfg in variants.items():
     with torch.no_grad():
         model(ids, cache=cache)  # fills the cache with 100 tokens
     bytes_per_token[name] = sum(layer.self_attn.nbytes() for layer in cache) / ids.shape[1]
-    print(f"{name:22} {bytes_per_token[name]:7.0f} bytes per token ({cfg.n_layers} layers, float32)")
+    print(f"{name:22} {bytes_per_token[name]:7.0f} bytes per token ({cfg.decoder.n_layers} layers, float32)")
 
 # %%
 fig, axes = new_figure(1, 1, width=7, height=3.6)
@@ -67,7 +71,7 @@ fig
 # %%
 mla = variants["MLA"]
 naive = DecoderLM(mla).eval()
-absorbed = DecoderLM(DecoderLMConfig(**{**mla.to_dict(), "mla_absorb": True})).eval()
+absorbed = DecoderLM(mla.override({"attention.absorb": True})).eval()
 absorbed.load_state_dict(naive.state_dict())
 outputs = []
 for model in (naive, absorbed):
@@ -96,4 +100,5 @@ print(f"MLA caches {mha_bytes / mla_bytes:.1f}× less than MHA")
 # ## Try this
 # Set `d_c = 32`: MLA's cache goes from 80 to 48 numbers per token and layer. To see what the loss pays,
 # train the default recipe (`qkv train --out-dir runs/mqa`, one key/value head) and
-# `qkv train --out-dir runs/mla --model attention=mla --model kv_lora_rank=64`, and compare their losses.
+# `qkv train --out-dir runs/mla --model attention=mla --model attention.kv_lora_rank=64`, and compare their
+# losses.

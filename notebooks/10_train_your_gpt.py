@@ -35,7 +35,9 @@ from qkv.lab.attention_map import run_attention_maps
 from qkv.lab.plotting import COLORS, label, new_figure
 
 run_dir = Path(tempfile.mkdtemp(prefix="qkv-gpt-")) / "run"
-result = qkv.train(qkv.LMConfig(out_dir=str(run_dir), sample_tokens=0), verbose=False)
+config = qkv.recipe("lm", {"out_dir": str(run_dir), "sample_tokens": 0})  # the default recipe, and where to save
+print(config.model.decoder.block)  # each of its layers: attention, feed-forward, norm
+result = qkv.train(config, verbose=False)
 print(f"{result.step} steps in {result.elapsed_s:.0f} s, validation loss {result.final['val_loss']:.4f}")
 
 # %% [markdown]
@@ -84,4 +86,4 @@ print("validation loss", round(result.final["val_loss"], 4))
 
 # %% [markdown]
 # ## Try this
-# Train longer and deeper: `qkv.LMConfig(max_steps=1500, model={"n_layers": 6})`, and sample again.
+# Train longer and deeper: `qkv.train(max_steps=1500, model={"n_layers": 6})`, and sample again.

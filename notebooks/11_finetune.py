@@ -45,15 +45,13 @@ model, tokenizer = base.model, base.tokenizer
 
 
 def continue_text(model: torch.nn.Module, prompt: str, new_tokens: int) -> str:
-    """The model's greedy continuation of the prompt, stopped at the end-of-turn token."""
-    ids = torch.tensor([tokenizer.encode(prompt)])
-    out = generate(model, ids, new_tokens, GREEDY, eos_id=tokenizer.eos_id)[0, ids.shape[1] :].tolist()
-    return tokenizer.decode([t for t in out if t != tokenizer.eos_id])
+    """The model's greedy continuation of the prompt, stopped at the end-of-turn token (text in, text out)."""
+    return generate(model, prompt, new_tokens, GREEDY, tokenizer=tokenizer)
 
 
 # The chat format the instruct model was tuned on (ChatML): a user turn, then the assistant's turn to answer.
 question = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
-print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, {model.cfg.n_layers} layers")
+print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, {model.cfg.decoder.n_layers} layers")
 print("answer:", continue_text(model, question, 30))
 
 # %% [markdown]
@@ -95,9 +93,11 @@ print("max |adapted − base| logit:", float((adapted_logits - base_logits).abs(
 
 # %%
 run_dir = Path(tempfile.mkdtemp(prefix="qkv-finetune-")) / "run"
-config = qkv.LMConfig(init_from=str(checkpoint), lora_rank=8, lora_alpha=16.0, batch_size=4, block_size=64,
-                      max_steps=12, lr=1e-3, warmup_steps=2, eval_interval=12, eval_tokens=1024,
-                      final_eval_tokens=1024, sample_tokens=0, out_dir=str(run_dir))  # fmt: skip
+config = qkv.recipe("lm", {"init_from": str(checkpoint), "lora_rank": 8, "lora_alpha": 16.0, "batch_size": 4,
+                           "block_size": 64, "max_steps": 12, "lr": 1e-3, "warmup_steps": 2, "eval_interval": 12,
+                           "eval_tokens": 1024, "final_eval_tokens": 1024, "sample_tokens": 0,
+                           "out_dir": str(run_dir)})  # fmt: skip
+print(config.lora)  # the adapters' settings: the run's own section of its config
 result = qkv.train(config, verbose=False)
 print(f"{result.step} steps in {result.elapsed_s:.0f} s; the run directory holds {len(list(run_dir.iterdir()))} "
       f"files, its weights only the adapters")  # fmt: skip
@@ -142,11 +142,11 @@ print("LoRA layers left after merging:", len(left))
 
 # %%
 targets = spec.targets
-grid = np.zeros((model.cfg.n_layers, len(targets)))
+grid = np.zeros((model.cfg.decoder.n_layers, len(targets)))
 for name, value in relative.items():  # decoder.layers.{i}.self_attn.q_proj, decoder.layers.{i}.ffn.up, …
     grid[int(name.split(".")[2]), targets.index(name.rsplit(".", 1)[1])] = value
 fig, axes = new_figure(1, 1, width=7, height=6.5)
-rows = [str(i) for i in range(model.cfg.n_layers)]
+rows = [str(i) for i in range(model.cfg.decoder.n_layers)]
 heatmap(axes[0, 0], grid, "How far LoRA moved each weight: ‖ΔW‖ / ‖W‖", "projection", "layer",
         xticklabels=targets, yticklabels=rows, cbar_label="‖ΔW‖ / ‖W‖")  # fmt: skip
 fig
@@ -168,6 +168,6 @@ print(f"trainable {trainable:,}; validation loss {before:.4f} → {after:.4f}")
 
 # %% [markdown]
 # ## Try this
-# Adapt attention only, at a higher rank: `lora_targets="q_proj,v_proj", lora_rank=16`; or train every
-# weight (drop `lora_rank`, and lower `lr` to 3e-5). From the command line the same run is
-# `qkv train --init-from SmolLM2-135M-Instruct.Q4_1.gguf --lora-rank 8`.
+# Adapt attention only, at a higher rank: `"lora_targets": ["q_proj", "v_proj"], "lora_rank": 16`; or train
+# every weight (drop `lora_rank` and `lora_alpha`, and lower `lr` to 3e-5). From the command line the same run
+# is `qkv train --init-from SmolLM2-135M-Instruct.Q4_1.gguf --lora-rank 8`.

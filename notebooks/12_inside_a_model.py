@@ -54,7 +54,7 @@ clean = torch.tensor([tokenizer.encode("The capital of France is")])
 corrupted = torch.tensor([tokenizer.encode("The capital of Italy is")])
 paris, rome = tokenizer.encode(" Paris")[0], tokenizer.encode(" Rome")[0]
 tokens = [tokenizer.decode([t]) for t in clean[0].tolist()]
-n_layers, n_heads = len(model.decoder.layers), model.cfg.n_heads
+n_layers, n_heads = model.cfg.decoder.n_layers, model.cfg.decoder.block.attention.n_heads
 print(tokens, f"{n_layers} layers × {n_heads} heads")
 
 # %% [markdown]

@@ -108,11 +108,11 @@ def test_truncated_and_garbage_safetensors(tmp_path: Path) -> None:
     files.atomic_save_safetensors(good, {"w": torch.arange(100.0)})
     truncated = tmp_path / "trunc.safetensors"
     truncated.write_bytes(good.read_bytes()[:-10])
-    with pytest.raises(QkvError, match=r"trunc\.safetensors is not a valid safetensors file \(.+\)"):
+    with pytest.raises(QkvError, match=r"trunc\.safetensors is damaged or incomplete \(.+\); copy or write it again"):
         files.load_safetensors(truncated)
     cut_header = tmp_path / "cut.safetensors"
     cut_header.write_bytes(good.read_bytes()[:20])
-    with pytest.raises(QkvError, match=r"cut\.safetensors is not a valid safetensors file \(header claims"):
+    with pytest.raises(QkvError, match=r"cut\.safetensors is damaged or incomplete \(header claims"):
         files.load_safetensors(cut_header)
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(b"hello")

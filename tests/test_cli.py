@@ -213,8 +213,8 @@ def test_train_out_of_memory_is_one_line_that_says_what_to_lower(
                             "--batch-size", str(10**12), "--out-dir", str(tmp_path / "run"))  # fmt: skip
     assert code == 2, err
     assert "Traceback" not in err, err
-    header, error = err.splitlines(True)
-    assert header.startswith("qkv train lm: 0.01 M parameters")
+    header, *notes, error = err.splitlines(True)
+    assert header.startswith("qkv train lm: 0.01 M parameters") and all(n.startswith("note: ") for n in notes)
     assert re.fullmatch(r"qkv train: error: out of memory on cpu \([\d,.]+ [KMGT]?i?B asked for\): lower --batch-size "
                         r"\(raising --grad-accum keeps the examples per step\) or the sequence length, or add "
                         r"--activation-checkpointing \(a checkpoint the run saved is kept\)\n", error)  # fmt: skip
@@ -242,7 +242,8 @@ GENERATE_ERRORS: list[tuple[str, list[str], str]] = [
     ("negative temperature", ["--temperature", "-1"], "temperature must be ≥ 0 (0 = greedy), got -1.0"),
     ("negative length", ["--max-new-tokens", "-1"], "max_new_tokens must be ≥ 0, got -1"),
     ("empty prompt", ["--prompt", ""], "--prompt is empty; give at least one character to continue"),
-    ("unknown checkpoint", ["--checkpoint", "middle"], "checkpoint must be 'best' or 'last', got 'middle'"),
+    ("unknown checkpoint", ["--checkpoint", "middle"],
+     "argument --checkpoint: invalid choice: 'middle' (choose from 'best', 'last') (see qkv generate --help)"),
     ("unknown device", ["--device", "tpu"], "unknown device 'tpu'; use auto, cpu, cuda or cuda:N"),
 ]  # fmt: skip
 
@@ -272,7 +273,8 @@ def test_eval_rejects_bad_input_in_one_line(
     """eval: a file instead of a run, and a zero batch size."""
     plain = files["plain"]
     _assert_error(run_main(capsys, "eval", str(plain)), "eval",
-                  f"{plain} is not a directory; pass the run directory that `qkv train` wrote")  # fmt: skip
+                  f"MODEL {plain} is not a checkpoint: give a .gguf file, a Hugging Face directory (config.json + "
+                  "safetensors), a `qkv convert` directory or a qkv run")  # fmt: skip
     _assert_error(run_main(capsys, "eval", str(char_run), "--batch-size", "0"), "eval",
                   "batch size must be at least 1, got 0")  # fmt: skip
 
@@ -321,7 +323,8 @@ def _broken_runs(char_run: Path, root: Path) -> list[tuple[str, Path, str | re.P
     truncated = _copy(char_run, root, "truncated")
     weights = (truncated / "model.safetensors").read_bytes()
     (truncated / "model.safetensors").write_bytes(weights[: len(weights) // 2])
-    pattern = re.escape(f"{truncated / 'model.safetensors'} is not a valid safetensors file (") + r".+\)"
+    pattern = re.escape(f"{truncated / 'model.safetensors'} is damaged or incomplete (") + r".+\); copy or write it " \
+        "again"
     cases.append(("truncated model.safetensors", truncated, re.compile(pattern)))
 
     malformed = _copy(char_run, root, "malformed")
@@ -336,11 +339,12 @@ def _broken_runs(char_run: Path, root: Path) -> list[tuple[str, Path, str | re.P
     cases.append(("unknown model field", unknown, "model has no field(s) flash; its fields: d_model, max_positions, "
                   "vocab_size, embedding, decoder, tie_embeddings"))
 
-    cases.append(("missing directory", root / "nowhere", f"run directory {root / 'nowhere'} does not exist"))
+    cases.append(("missing directory", root / "nowhere", f"MODEL {root / 'nowhere'}: no such file or directory"))
     a_file = root / "model.safetensors"
     shutil.copy(char_run / "model.safetensors", a_file)
     cases.append(("a file, not a directory", a_file,
-                  f"{a_file} is not a directory; pass the run directory that `qkv train` wrote"))  # fmt: skip
+                  f"MODEL {a_file} is not a checkpoint: give a .gguf file, a Hugging Face directory (config.json + "
+                  "safetensors), a `qkv convert` directory or a qkv run"))  # fmt: skip
     return cases
 
 

@@ -176,3 +176,72 @@ def test_the_site_opens_in_a_real_browser_without_console_errors(served: str, tm
     assert all(shown[f"notebooks/{p.stem}/"] >= 1 for p in NOTEBOOKS), shown  # the plots load
     served_host = urlsplit(served).netloc
     assert {urlsplit(u).netloc for u in requests if not u.startswith(("data:", "blob:"))} == {served_host}
+
+
+# ------------------------------------------------------------------------------------- the guides' commands
+
+GUIDES = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md", ROOT / "benchmarks" / "SPEEDRUN.md",
+          ROOT / "benchmarks" / "TRANSLATION.md"]  # fmt: skip
+BARE = re.compile(r"(^|[;&|(]\s*|\$\(\s*)(qkv|python3?|pip3?|pytest|torchrun|mkdocs)\b(?!:)")
+
+
+def _shell_lines() -> list[tuple[str, str]]:
+    """(where, command) of every line of the guides' bash blocks, and of every `$ ` prompt in their transcripts."""
+    found = []
+    for guide in GUIDES:
+        lang, held = None, ""  # held: a line continued with a backslash
+        for number, line in enumerate(guide.read_text(encoding="utf-8").splitlines(), 1):
+            if line.strip().startswith("```"):
+                lang = line.strip()[3:].strip() if lang is None else None
+                continue
+            code = held + line.split(" #")[0].strip()
+            held = code[:-1] + " " if code.endswith("\\") else ""
+            if held:
+                continue
+            if lang in ("bash", "sh") and code and not code.startswith("#"):
+                found.append((f"{guide.name}:{number}", code))
+            elif lang is not None and code.startswith("$ "):
+                found.append((f"{guide.name}:{number}", code[2:]))
+    return found
+
+
+def test_the_guides_commands_run_in_the_venv_as_written() -> None:
+    """No guide calls a bare qkv, python or pip: each names .venv/bin/ (what the README's set-up makes)."""
+    lines = _shell_lines()
+    assert len(lines) > 60
+    bare = [f"{where}: {code}" for where, code in lines if BARE.search(code)]
+    assert not bare, bare
+
+
+def test_every_qkv_command_in_the_guides_parses() -> None:
+    """Every `.venv/bin/qkv …` line of the guides is one the command accepts, flags and all (none is stale)."""
+    import shlex
+
+    from qkv.cli import build_parser
+    from qkv.cli.train import _task_of
+    from qkv.cli.train import build_parser as train_parser
+    from qkv.tasks import config_class
+
+    checked = 0
+    for where, code in _shell_lines():
+        code = re.sub(r'\$\([^"()]*"[^"]*"\)', "model.gguf", code.replace("$GGUF", "model.gguf"))  # $(… "…")
+        lexer = shlex.shlex(code, posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        commands: list[list[str]] = [[]]
+        for token in lexer:
+            if set(token) <= set("();<>|&"):
+                commands.append([])
+            else:
+                commands[-1].append(token)
+        for words in commands:
+            if not words or words[0] != ".venv/bin/qkv" or "--help" in words:
+                continue
+            argv = words[1:]
+            if argv[0] == "train":
+                task, rest = _task_of(argv[1:])
+                _, unknown = train_parser(task, config_class(task)).parse_known_args(rest)
+                assert not unknown, (where, code, unknown)
+            else:
+                build_parser().parse_args(argv)  # exits 2, naming the flag, on a stale one
+            checked += 1
+    assert checked > 50

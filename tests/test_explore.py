@@ -195,8 +195,10 @@ BAD_REQUESTS = [
     ("an unknown run", "attention", {"run": "runs/nothing", "text": "To be"}, 404, "no run named"),
     ("text longer than the context", "attention", {"run": "runs/lm", "text": "x" * 40}, 400, "reads at most 32"),
     ("malformed JSON", "attention", b'{"run": "runs/lm", "text": ', 400, "malformed JSON"),
-    ("a layer out of range", "attention", {"run": "runs/lm", "text": "To", "layer": 2}, 400, "layer 2 is out of range"),
-    ("a head out of range", "attention", {"run": "runs/lm", "text": "To", "head": -1}, 400, "head -1 is out of range"),
+    ("a layer out of range", "attention", {"run": "runs/lm", "text": "To", "layer": 2}, 400,
+     "'layer' must be a whole number between 0 and 1, got 2"),
+    ("a head out of range", "attention", {"run": "runs/lm", "text": "To", "head": -1}, 400,
+     "'head' must be a whole number between 0 and 1, got -1"),
     ("path traversal", "attention", {"run": "../data", "text": "To"}, 403, "outside the directories"),
     ("an absolute path outside", "model", {"run": "/etc"}, 403, "outside the directories"),
     ("a JSON array", "spreadsheet", b"[1, 2]", 400, "must be a JSON object"),
@@ -296,7 +298,7 @@ def test_ctrl_c_stops_the_server_cleanly(root: Path) -> None:
 def test_explore_refuses_bad_arguments_in_one_line(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from helpers import run_main
 
-    refusals = [(["explore", "nowhere"], "nowhere is not a run directory"),
+    refusals = [(["explore", "nowhere"], "MODEL nowhere: no such file or directory"),
                 (["explore", "--port", "70000"], "--port must be between 0 and 65535"),
                 (["explore", "--host", "example.com", "--no-browser"], "--host must be an IP address")]  # fmt: skip
     for argv, message in refusals:

@@ -136,8 +136,8 @@ def test_bad_fine_tuning_input_is_refused_in_one_line(
     _assert_error(train("--init-from", b, "--tokenizer", "char"),
                   "--tokenizer contradict(s) --init-from: the tokenizer is the checkpoint's; drop --tokenizer")
     _assert_error(train("--init-from", b, "--n-layers", "5"),
-                  "the architecture of --init-from is fixed: it has decoder.n_layers=2, the run asks for "
-                  "decoder.n_layers=5; drop that setting (only the dropouts may change when fine-tuning)")  # fmt: skip
+                  "--init-from fixes the model's architecture; drop --n-layers (only the dropouts may change when "
+                  "fine-tuning)")  # fmt: skip
     _assert_error(train("--lora-rank", "4"),
                   "--lora-rank and the other LoRA settings adapt a pretrained model; add --init-from CHECKPOINT")
 

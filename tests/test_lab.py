@@ -303,7 +303,8 @@ def test_bad_input_is_one_line_exit_2(capsys: pytest.CaptureFixture[str], tmp_pa
     _one_line_error(run_main(capsys, "lab", "walkthrough", "--embeddings", str(good), "--query", "money",
                               "--out", out), "'money' is not in the sentence: the river bank")  # fmt: skip
     _one_line_error(run_main(capsys, "lab", "walkthrough", "--query", "cash", "--out", out), "not in the sentence")
-    _one_line_error(run_main(capsys, "lab", "attention-map", str(tmp_path), "--out", out), "not a qkv run directory")
+    _one_line_error(run_main(capsys, "lab", "attention-map", str(tmp_path), "--out", out),
+                    "is not a checkpoint: give a .gguf file")  # fmt: skip
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.png"))
 
 

@@ -86,4 +86,4 @@ def test_a_trained_encoder_loads_restores_and_shows_attention(
     assert weights.shape[0] == 2 and (weights[:, 0, 1:] > 0).any()
     assert abs(float(weights.sum(-1).mean()) - 1) < 1e-5
     code, _, err = run_main(capsys, "generate", str(result.run_dir))
-    assert code == 2 and "holds a mlm run, not a language model" in err
+    assert code == 2 and "holds a masked language model run, not a language model" in err

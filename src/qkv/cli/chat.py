@@ -27,19 +27,21 @@ def register(sub: Any) -> None:
     p.add_argument("run_dir", metavar="MODEL", help=f"{MODEL_HELP} (e.g. a chat fine-tune)")
     p.add_argument("--system", help="the system message (default: the template's own, if it has one)")
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template, for a model without one")
-    sampling_options(p)
+    sampling_options(p, chat=True)
     run_options(p)
 
 
 def _session(args: argparse.Namespace) -> Any:
     """The model, its tokenizer and chat template, as a session with the sampling flags."""
-    from qkv.chat import ChatSession, ChatTemplate, template_source
+    from qkv.chat import ChatSession, ChatTemplate, chat_sampling, template_source
+    from qkv.chat.sampling import describe
     from qkv.chat.template import GIVE_TEMPLATE, read_template_file
     from qkv.evals.models import load_eval_model
     from qkv.generation import Sampling
     from qkv.io.devices import resolve_device
 
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)  # bad flags refused before loading
+    given = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
+    Sampling(**{k: v for k, v in given.items() if v is not None})  # bad flags refused before loading
     if args.max_new_tokens < 1:
         raise QkvError(f"--max-new-tokens must be ≥ 1, got {args.max_new_tokens}")
     source = read_template_file(args.chat_template) if args.chat_template else None
@@ -57,8 +59,9 @@ def _session(args: argparse.Namespace) -> Any:
         raise QkvError(f"--max-new-tokens {args.max_new_tokens} leaves no room for the conversation in the model's "
                        f"{lm.model.cfg.context_length}-token context; lower it")  # fmt: skip
     template = ChatTemplate.of(source, tokenizer, origin)
+    sampling, chosen_by = chat_sampling(given, lm.metadata.get("sampling"))
     session = ChatSession(lm.model, tokenizer, template, sampling, args.max_new_tokens, args.system)
-    return session, lm.name
+    return session, f"{lm.name}, {lm.model.cfg.context_length}-token context, {describe(sampling)} ({chosen_by})"
 
 
 def _reply(session: Any, text: str) -> None:
@@ -101,7 +104,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     session, name = _session(args)
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401  (line editing and history for input(), where the platform has it)
-    print(f"qkv chat: {name}, {session.model.cfg.context_length}-token context. {HELP}.")
+    print(f"qkv chat: {name}. {HELP}.")
     while True:
         try:
             line = input("you> ").strip()

@@ -20,6 +20,8 @@ from qkv.io import DTYPES
 if TYPE_CHECKING:
     from qkv.translation.run import Translator
 
+# qkv.chat.CHAT_SAMPLING's, spelled here so that building the parser imports no torch (a test holds them equal).
+CHAT_TEMPERATURE, CHAT_TOP_P = 0.2, 0.9
 BEAM_SCORINGS = ("gnmt", "hf")  # qkv.translation.run's, spelled here so that building the parser imports no torch
 
 
@@ -69,14 +71,18 @@ def register(sub: Any) -> None:
     run_options(p)
 
 
-def sampling_options(p: argparse.ArgumentParser) -> None:
-    """How the next token is picked, shared by `qkv generate` and `qkv chat`."""
+def sampling_options(p: argparse.ArgumentParser, chat: bool = False) -> None:
+    """How the next token is picked, shared by `qkv generate` and `qkv chat` (chat: the checkpoint's recommended
+    sampling, else qkv's chat default, qkv.chat.CHAT_SAMPLING)."""
+    where = "the checkpoint's recommendation, else " if chat else ""
     p.add_argument("--max-new-tokens", type=int, default=500, help="the most tokens to generate (default 500)")
-    p.add_argument("--temperature", type=float, default=0.8, help="divides the logits before sampling; 0 = greedy "
-                                                                   "(default 0.8)")  # fmt: skip
-    p.add_argument("--top-k", type=int, help="sample among the k most likely tokens only (default: all)")
+    p.add_argument("--temperature", type=float, default=None if chat else 0.8,
+                   help=f"divides the logits before sampling; 0 = greedy (default: {where}"
+                        f"{CHAT_TEMPERATURE if chat else 0.8})")  # fmt: skip
+    p.add_argument("--top-k", type=int, help=f"sample among the k most likely tokens only (default: {where}all)")
     p.add_argument("--top-p", type=float, help="sample among the most likely tokens whose probabilities sum to p "
-                                                "(nucleus sampling; default: all)")  # fmt: skip
+                                                f"(nucleus sampling; default: {where}"
+                                                f"{CHAT_TOP_P if chat else 'all'})")  # fmt: skip
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling, for repeatable output "
                                                           "(default: a new one each run)")  # fmt: skip
 

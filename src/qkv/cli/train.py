@@ -120,9 +120,11 @@ def _epilog(task: str) -> str | None:
     """What --help adds after the options: the fine-tuning recipe, for a language model."""
     if task != "lm":
         return None
+    from qkv.tasks import config_class
     from qkv.tasks.finetune import SETTINGS
 
-    changed = ", ".join(f"--{k.rsplit('.', 1)[-1].replace('_', '-')} {v}" for k, v in SETTINGS.items())
+    flag_of = {path: flag for flag, path in config_class("lm").flags().items()}
+    changed = ", ".join(f"--{flag_of.get(k, k).replace('_', '-')} {v}" for k, v in SETTINGS.items())
     return (f"With --init-from CHECKPOINT the model is the checkpoint's and fine-tuning's defaults apply: {changed} "
             "(--lr 2e-4 with --lora-rank); a JSON Lines file of conversations as --data trains a chat model.")
 

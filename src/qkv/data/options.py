@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 from qkv.data.sources import ReadOptions
 from qkv.errors import QkvError
-from qkv.tokenizers.base import ENDOFTEXT
-from qkv.tokenizers.bpe import check_bpe_vocab
+from qkv.tokenizers.base import ENDOFTEXT, check_bpe_vocab
 
 SHARD_TOKENS = 100_000_000  # llm.c's FineWeb shards hold 10⁸ tokens
 TRAIN_FRACTION = 0.9  # a single document: the first 90 % of its characters train

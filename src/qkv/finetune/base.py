@@ -19,7 +19,7 @@ from qkv.lora import LoRAConfig, add_lora, merge_lora
 from qkv.models import DecoderLM, DecoderLMConfig, QkvConfig, QkvModel, config_from_dict
 from qkv.tokenizers import Tokenizer
 
-_METADATA = ("bos_token_id", "eos_token_id", "pad_token_id", "chat_template", "gguf_pre_tokenizer")
+_METADATA = ("bos_token_id", "eos_token_id", "pad_token_id", "chat_template", "gguf_pre_tokenizer", "sampling")
 
 
 @dataclass

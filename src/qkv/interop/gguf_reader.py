@@ -122,7 +122,15 @@ def _config(reader: Any, names: Collection[str], n_vocab: int) -> dict[str, Any]
         # Not LlamaConfig fields: kept so that writing the model back as GGUF (gguf_writer.py) loses nothing.
         "chat_template": _field(reader, "tokenizer.chat_template"),
         "gguf_pre_tokenizer": _field(reader, "tokenizer.ggml.pre"),
+        "sampling": _sampling(reader),  # the file's advice to whoever samples from it (qkv chat), if it has any
     }
+
+
+def _sampling(reader: Any) -> dict[str, Any] | None:
+    """general.sampling.temp, top_k and top_p, as the sampling the file recommends (None: it recommends none)."""
+    found = {name: _field(reader, f"general.sampling.{key}") for name, key in
+             (("temperature", "temp"), ("top_k", "top_k"), ("top_p", "top_p"))}  # fmt: skip
+    return found if any(v is not None for v in found.values()) else None
 
 
 def _tokenizer(reader: Any) -> Any:

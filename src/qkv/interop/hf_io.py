@@ -192,7 +192,20 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     if "auto_map" in config:
         # Such a model is defined by Python files shipped beside it; loading it means running them.
         raise QkvError(f"{path} needs custom model code (auto_map in {CONFIG_FILE}); qkv never runs checkpoint code")
+    sampling = _recommended_sampling(path / "generation_config.json")
+    if sampling is not None:  # not a model setting: the checkpoint's advice to whoever samples from it (qkv chat)
+        config = {**config, "sampling": sampling}
     return Checkpoint(config, _read_tensors(files, weight_map), str(path))
+
+
+def _recommended_sampling(path: Path) -> dict[str, Any] | None:
+    """The sampling generation_config.json recommends (transformers' defaults for the fields it leaves out), or None
+    when it does not sample (do_sample unset or false) or there is no such file."""
+    config = load_json(path) if path.is_file() else {}
+    if not config.get("do_sample"):
+        return None
+    return {"temperature": config.get("temperature", 1.0), "top_k": config.get("top_k", 50),
+            "top_p": config.get("top_p", 1.0)}  # fmt: skip
 
 
 def _weight_files(directory: Path) -> tuple[list[Path], dict[str, str]]:

@@ -172,8 +172,10 @@ def load_safetensors(path: Path) -> dict[str, Tensor]:
     head = _read_head(path, 16, "file")
     problem = _safetensors_header_problem(head, path.stat().st_size)
     # The header check runs first: a real safetensors header length can begin with 0x80 or "PK".
-    if problem is not None and _looks_like_pickle(head):
+    if problem is not None and _looks_like_pickle(head) and head[8:9] != b"{":  # "{": a cut-short safetensors
         raise QkvError(f"refusing to load pickle file {path}: qkv only reads safetensors and JSON")
+    if problem is not None and head[8:9] == b"{":
+        raise QkvError(f"{path} is damaged or incomplete ({problem}); copy or write it again")
     if problem is not None:
         raise QkvError(f"{path} is not a valid safetensors file ({problem})")
     try:

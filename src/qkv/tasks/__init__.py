@@ -161,7 +161,7 @@ def resumed(task: str, settings: Mapping[str, Any]) -> RunConfig[Any]:
 
 
 def load(path: str | Path, checkpoint: str = "best", device: str | torch.device = "cpu", expect: str | None = None,
-         role: str = "") -> Any:  # fmt: skip
+         role: str = "MODEL") -> Any:  # fmt: skip
     """A run directory's model (best or last weights), tokenizer and settings, as its task's LoadedRun; or the
     language model of a .gguf file, a Hugging Face directory or a `qkv convert` directory, as a language-model run.
 
@@ -173,10 +173,11 @@ def load(path: str | Path, checkpoint: str = "best", device: str | torch.device 
 
     where = Path(path)
     if run_task(where) is None:
-        return load_checkpoint(where, device, expect, role or "the model")
+        wanted = None if expect in (None, "lm") else f"{_entry(expect).kind}; it takes a run of `qkv train {expect}`"
+        return load_checkpoint(where, device, wanted, role)
     stored = read_run_config(where)
     if expect is not None and stored["task"] != expect:
-        raise QkvError(f"{path} holds a {stored['task']} run, not a {_entry(expect).kind}")
+        raise QkvError(f"{path} holds a {_entry(stored['task']).kind} run, not a {_entry(expect).kind}")
     cfg = config_class(stored["task"]).from_stored(stored)
     return run_class(cfg).load(where, checkpoint, device, stored)
 

@@ -11,21 +11,20 @@ import torch
 
 from qkv.errors import QkvError
 from qkv.io.files import load_json
-from qkv.io.run_dir import CONFIG_FILE
+from qkv.io.run_dir import CONFIG_FILE, FORMATS, migrate_config
 from qkv.tasks.finetune import FinetunedRun
 from qkv.tasks.lm import LMConfig, recipe
 
 
 def run_task(path: Path) -> str | None:
-    """The task of the `qkv train` run at `path` (None: not a run)."""
-    config = path / CONFIG_FILE
-    if not (path.is_dir() and config.is_file()):
+    """The task of the `qkv train` run at `path`, in any layout qkv reads (None: not a run). A config.json that is
+    not JSON is refused as it is: the directory is damaged, whatever it held."""
+    if not (path.is_dir() and (path / CONFIG_FILE).is_file()):
         return None
-    try:
-        stored = load_json(config)
-    except QkvError:
+    stored = load_json(path / CONFIG_FILE)
+    if stored.get("format") not in FORMATS or "training" not in stored or "model" not in stored:
         return None
-    return stored.get("task") if isinstance(stored, dict) and "training" in stored else None
+    return str(migrate_config(stored)["task"])
 
 
 def model_task(path: Path, role: str = "MODEL") -> str:
@@ -64,12 +63,12 @@ class CheckpointRun(FinetunedRun):
                        f"`qkv eval {self.directory} --bpb` (bits per byte) or --bench NAMES")  # fmt: skip
 
 
-def load_checkpoint(path: Path, device: str | torch.device, expect: str | None, role: str) -> CheckpointRun:
-    """The language model in a checkpoint that is not a run; `expect`: the task the command needs."""
+def load_checkpoint(path: Path, device: str | torch.device, refused: str | None, role: str) -> CheckpointRun:
+    """The language model in a checkpoint that is not a run; refused: what the command needs instead, if it needs
+    something else (e.g. "translation model; it takes a run of `qkv train translate`")."""
     from qkv.finetune.base import base_config
 
-    model = base_config(path, role)  # refuses what is no checkpoint, or holds no decoder-only model, in one line
-    if expect not in (None, "lm"):
-        raise QkvError(f"{path} holds a decoder-only language model ({model.decoder.n_layers} layers), not a {expect} "
-                       f"model; {role} takes a run of `qkv train {expect}`")  # fmt: skip
+    base_config(path, role)  # refuses what is no checkpoint, or holds no decoder-only model, in one line
+    if refused is not None:
+        raise QkvError(f"{path} holds a language model, not a {refused}")
     return CheckpointRun.of(path, device, role)

@@ -19,6 +19,15 @@ if TYPE_CHECKING:  # torch is imported where a tensor is made: `qkv prepare`'s w
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 ENDOFTEXT = "<|endoftext|>"  # the special token that ends a document (GPT-2's name for it)
+MIN_BPE_VOCAB = 257  # a byte-level BPE's 256 bytes and <|endoftext|>
+MAX_BPE_VOCAB = 1_000_000
+
+
+def check_bpe_vocab(vocab_size: int) -> None:
+    """Refuse a BPE vocabulary size outside [MIN_BPE_VOCAB, MAX_BPE_VOCAB] in one line, before any learning."""
+    if not MIN_BPE_VOCAB <= vocab_size <= MAX_BPE_VOCAB:
+        raise QkvError(f"BPE vocab size must be between {MIN_BPE_VOCAB} (256 bytes + <|endoftext|>) and "
+                       f"{MAX_BPE_VOCAB:,}, got {vocab_size}")  # fmt: skip
 
 
 class Tokenizer(ABC):

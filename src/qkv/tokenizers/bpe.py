@@ -12,19 +12,16 @@ import tokenizers as hf  # Hugging Face's package, not this one (qkv.tokenizers)
 
 from qkv.errors import QkvError
 from qkv.io.files import atomic_write_json, load_json
-from qkv.tokenizers.base import CONFIG_FILE, ENDOFTEXT, TOKENIZER_FILE, Tokenizer
+from qkv.tokenizers.base import (
+    CONFIG_FILE,
+    ENDOFTEXT,
+    TOKENIZER_FILE,
+    Tokenizer,
+    check_bpe_vocab,
+)
 from qkv.tokenizers.byte_level import byte_decoder, tiktoken_engine
 
 # 256 byte tokens + at least one special token; above the upper bound is surely a typo (GPT-4 uses ~100k).
-MIN_BPE_VOCAB = 257
-MAX_BPE_VOCAB = 1_000_000
-
-
-def check_bpe_vocab(vocab_size: int) -> None:
-    """Refuse a BPE vocabulary size outside [MIN_BPE_VOCAB, MAX_BPE_VOCAB] in one line, before any learning."""
-    if not MIN_BPE_VOCAB <= vocab_size <= MAX_BPE_VOCAB:
-        raise QkvError(f"BPE vocab size must be between {MIN_BPE_VOCAB} (256 bytes + <|endoftext|>) and "
-                       f"{MAX_BPE_VOCAB:,}, got {vocab_size}")  # fmt: skip
 
 
 class ByteBPETokenizer(Tokenizer):

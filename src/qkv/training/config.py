@@ -79,6 +79,13 @@ class ScheduleConfig(Config):
         if self.max_time is not None and self.max_time <= 0:
             raise QkvError(f"max-time must be positive seconds, got {self.max_time}")
 
+    def warm_up_note(self, lr: float) -> str | None:
+        """A note for a run whose every step is warm-up (its learning rate never reaches lr), else None."""
+        if self.max_steps > self.warmup_steps:
+            return None
+        return (f"note: every step is warm-up (--warmup-steps {self.warmup_steps} ≥ --max-steps {self.max_steps}): the "
+                f"learning rate never reaches --lr {lr:g}; lower --warmup-steps or raise --max-steps")  # fmt: skip
+
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig(Config):

@@ -195,11 +195,8 @@ class _Trainer:
         precision = "" if dtype == "float32" and not tf32 else f" ({dtype} autocast{tf32})"
         self.progress.log(f"qkv train {self.task.name}: {counted}, {data}device "
                           f"{self.ctx.device}{precision}{layout}, run dir {self.run_dir}")  # fmt: skip
-        schedule = self.cfg.schedule
-        if 0 < schedule.max_steps <= schedule.warmup_steps:
-            self.progress.log(f"note: every step is warm-up (--warmup-steps {schedule.warmup_steps} ≥ --max-steps "
-                              f"{schedule.max_steps}): the learning rate never reaches --lr {self.cfg.optim.lr:g}; "
-                              "lower --warmup-steps or raise --max-steps")  # fmt: skip
+        if note := self.cfg.schedule.warm_up_note(self.cfg.optim.lr):
+            self.progress.log(note)
 
     def run(self) -> TrainResult:
         """Train until max_steps, the time budget or Ctrl-C; evaluate and checkpoint on the way."""
