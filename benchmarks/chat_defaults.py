@@ -83,7 +83,7 @@ def reply(run: object, template: ChatTemplate, sampling: Sampling, text: str, ma
 def measure(run: object, template: ChatTemplate, sampling: Sampling, seeds: int) -> dict[str, float]:
     """Right answers (of len(QUESTIONS) × seeds) and the stories' mean repetition rate."""
     right, rates = 0, []
-    if sampling.temperature == 0:  # greedy draws nothing: every seed gives the same replies
+    if sampling.temperature == 0 and seeds > 1:  # greedy draws nothing: every seed gives the same replies
         one = measure(run, template, Sampling(0.0), 1)
         return {**one, "right": one["right"] * seeds, "asked": one["asked"] * seeds}
     for seed in range(seeds):

@@ -182,7 +182,7 @@ def test_a_run_says_what_its_times_count_and_warns_when_every_step_is_warm_up(
                               "--out-dir", str(tmp_path / "run"), "--n-layers", "1", "--d-model", "16", "--n-heads",
                               "2", *FAST)  # fmt: skip
     assert code == 0, err
-    assert "note: every step is warm-up (--warmup-steps 5 ≥ --max-steps 2): the learning rate never reaches --lr" in err
+    assert "note: every step is warm-up (--warmup-steps 5 ≥ --max-steps 2): the learning rate climbs to --lr" in err
     assert re.search(r"after 2 steps, \d+ s of training and evaluation, \d+ s since the run began — run saved", out)
 
 

@@ -80,11 +80,12 @@ class ScheduleConfig(Config):
             raise QkvError(f"max-time must be positive seconds, got {self.max_time}")
 
     def warm_up_note(self, lr: float) -> str | None:
-        """A note for a run whose every step is warm-up (its learning rate never reaches lr), else None."""
+        """A note for a run whose every step is warm-up (the rate climbs to lr at the last step, never decays)."""
         if self.max_steps > self.warmup_steps:
             return None
         return (f"note: every step is warm-up (--warmup-steps {self.warmup_steps} ≥ --max-steps {self.max_steps}): the "
-                f"learning rate never reaches --lr {lr:g}; lower --warmup-steps or raise --max-steps")  # fmt: skip
+                f"learning rate climbs to --lr {lr:g} over the whole run and never decays; lower --warmup-steps or "
+                "raise --max-steps")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
