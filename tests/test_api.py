@@ -38,8 +38,8 @@ def test_every_public_name_loads_from_its_room(name: str) -> None:
 
 
 def test_the_parts_the_notes_name_are_exported() -> None:
-    """Latent and sliding-window attention, the masks, the norms and the positions are at the top level."""
-    for name in ("LatentAttention", "SlidingWindowAttention", "causal_mask", "padding_mask_from_ids", "RMSNorm",
+    """Latent attention, the masks, the norms and the positions are at the top level."""
+    for name in ("LatentAttention", "causal_mask", "padding_mask_from_ids", "RMSNorm",
                  "LayerNorm", "RotaryEmbedding", "SinusoidalPositionalEncoding", "generate"):  # fmt: skip
         assert name in qkv.__all__
     assert not [n for n in qkv.__all__ if n in MOVED]  # the toy task configs left

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
 from torch import Tensor, nn
 
 from qkv.attention.cache import KVCache
@@ -100,19 +99,12 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self._queries_keys_values(x, context, cache, rope)
         if mask is not None and not 2 <= mask.dim() <= 4:
             raise QkvError(f"mask must broadcast to (B, H, T_q, T_k), got {mask.dim()} dims {tuple(mask.shape)}")
-        if context is None:
-            mask, causal = self.attention_mask(mask, causal, t_q, k.shape[-2], x.device)
         dropout_p = self.dropout if self.training else 0.0
         context_vecs = scaled_dot_product_attention(q, k, v, mask=mask, causal=causal, dropout_p=dropout_p,
                                                     kv_groups=self.n_heads // self.n_kv_heads)  # (B, H, T_q, D)
         context_vecs = context_vecs.to(x.dtype)
         # Concat(head_1, …, head_h): (B, H, T_q, D) → (B, T_q, H·D), then W_O.
         return self.out_proj(context_vecs.transpose(1, 2).reshape(b, t_q, self.n_heads * self.d_head))
-
-    def attention_mask(self, mask: Tensor | None, causal: bool, t_q: int, t_k: int,
-                       device: torch.device) -> tuple[Tensor | None, bool]:  # fmt: skip
-        """The self-attention mask and causal flag, as given: every key in reach (a sliding window narrows it)."""
-        return mask, causal
 
     def _queries_keys_values(self, x: Tensor, context: Tensor | None, cache: KVCache | None,
                              rope: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip

@@ -63,21 +63,28 @@ class SlidingWindowAttention(MultiHeadAttention):
             raise QkvError(f"the attention window must be at least 1 position, got {window}")
         self.window = window
 
-    def attention_mask(self, mask: Tensor | None, causal: bool, t_q: int, t_k: int,
-                       device: torch.device) -> tuple[Tensor | None, bool]:  # fmt: skip
-        """The window (with causality in it) and the caller's mask over the last t_k keys.
+    def forward(self, x: Tensor, context: Tensor | None = None, mask: Tensor | None = None, causal: bool = False,
+                cache: KVCache | None = None, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:  # fmt: skip
+        """Multi-head attention with the window added to the mask (self-attention only; see MultiHeadAttention).
 
-        A window cache returns only the keys still in reach, the newest last; a mask over every position since
-        the start (a padding mask) keeps its columns for those keys.
+        The keys are this call's tokens after those a WindowKVCache still holds, the newest last; a mask over every
+        position since the start (a padding mask) keeps its columns for them.
         """
+        if context is not None:
+            raise QkvError("sliding-window attention is self-attention; cross-attention is MultiHeadAttention")
+        t_q = x.shape[1]
+        t_k = t_q + (cache.kept() if isinstance(cache, WindowKVCache) else cache.length if cache is not None else 0)
         if mask is not None and mask.shape[-1] > t_k:
             mask = mask[..., -t_k:]
+        window = self.window_mask(t_q, t_k, causal, x.device)  # (T_q, T_k), causality in it
+        return super().forward(x, mask=window if mask is None else mask & window, cache=cache, rope=rope)
+
+    def window_mask(self, t_q: int, t_k: int, causal: bool, device: torch.device) -> Tensor:
+        """(T_q, T_k): keys i − W + 1 … i for causal query i, |i − j| < W otherwise; ends aligned (a cache's past)."""
         if causal:
-            window = sliding_window_mask(t_q, self.window, t_k, device=device)  # (T_q, T_k), end-aligned
-        else:
-            q_pos = torch.arange(t_q, device=device)[:, None] + (t_k - t_q)
-            window = (torch.arange(t_k, device=device)[None, :] - q_pos).abs() < self.window
-        return (window if mask is None else mask & window), False
+            return sliding_window_mask(t_q, self.window, t_k, device=device)
+        q_pos = torch.arange(t_q, device=device)[:, None] + (t_k - t_q)
+        return (torch.arange(t_k, device=device)[None, :] - q_pos).abs() < self.window
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         """A cache that keeps the last `window` positions only."""
