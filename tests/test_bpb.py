@@ -105,7 +105,8 @@ def test_bits_per_byte_of_nothing_is_refused() -> None:
 def test_training_records_val_bpb_and_prints_it(tmp_path: Path) -> None:
     """Every evaluation writes val_bpb beside val_loss; the last one equals the plain loop on the run's validation
     split; the best weights still follow val_loss; the closing line and `qkv eval` show it."""
-    settings = {**tiny_settings("lm", tiny_data(tmp_path / "data")), "tokenizer": "bpe", "vocab_size": 300}
+    settings = {**tiny_settings("lm", tiny_data(tmp_path / "data")), "tokenizer": "bpe", "vocab_size": 300,
+                "final_eval_tokens": 0}  # the last evaluation over the whole split, as the plain loop reads it
     with one_thread():
         result = train(task="lm", verbose=False, **settings, out_dir=str(tmp_path / "run"))
     rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -121,7 +122,8 @@ def test_training_records_val_bpb_and_prints_it(tmp_path: Path) -> None:
     assert rows[-1]["full_eval"] and rows[-1]["val_bpb"] == pytest.approx(nats / math.log(2) / n_bytes, rel=1e-6)
     line = result.summary().splitlines()[1]
     match = re.fullmatch(r"validation loss (\d\.\d{4}) \(perplexity \d+\.\d\d, (\d\.\d{3}) bits per byte\) after 6 "
-                         r"steps, \d+ s — run saved in .*", line)  # fmt: skip
+                         r"steps, \d+ s of training and evaluation, \d+ s since the run began — run saved in .*",
+                         line)  # fmt: skip
     assert match, line
     assert float(match.group(2)) == round(rows[-1]["val_bpb"], 3)
     (printed,) = run.evaluate(EvalOptions())

@@ -298,7 +298,7 @@ def test_ctrl_c_stops_the_server_cleanly(root: Path) -> None:
 def test_explore_refuses_bad_arguments_in_one_line(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from helpers import run_main
 
-    refusals = [(["explore", "nowhere"], "MODEL nowhere: no such file or directory"),
+    refusals = [(["explore", "nowhere"], "nowhere: no such file or directory"),
                 (["explore", "--port", "70000"], "--port must be between 0 and 65535"),
                 (["explore", "--host", "example.com", "--no-browser"], "--host must be an IP address")]  # fmt: skip
     for argv, message in refusals:

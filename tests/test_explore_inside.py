@@ -188,6 +188,31 @@ def test_one_map_at_a_time_and_abandoned_maps_stop() -> None:
     assert unknown.value.status == 404
 
 
+class _LateRelease:
+    """A slot whose release runs late, as a worker thread that the scheduler puts off on a loaded machine."""
+
+    def __init__(self, slots: Any) -> None:
+        self.slots = slots
+
+    def acquire(self, timeout: float) -> bool:
+        return bool(self.slots.acquire(timeout=timeout))
+
+    def release(self) -> None:
+        time.sleep(0.6)  # longer than the start's wait for a slot
+        self.slots.release()
+
+
+def test_a_map_seen_ended_has_given_its_slot_back() -> None:
+    """Whoever sees a map done starts the next at once, however late the worker thread finishes (this was flaky
+    under load: the map said done before its slot was free, and the next start waited 0.2 s for it in vain)."""
+    jobs = PatchJobs(running=1, wait_s=0.2, abandoned_s=30.0)
+    jobs._slots = _LateRelease(jobs._slots)  # type: ignore[assignment]
+    first = jobs.start(lambda: (1, iter([("resid", 0, [1.0])])))
+    wait_for(lambda: jobs.get(first.id).state == "done", "the first map")
+    second = jobs.start(lambda: (1, iter([("resid", 0, [2.0])])))  # no 429: the slot is free
+    wait_for(lambda: jobs.get(second.id).state == "done", "the second map")
+
+
 BAD = [
     ("an empty lens prompt", "lens", {"run": "runs/lm", "text": ""}, 400, "the text is empty"),
     ("a prompt longer than the context", "lens", {"run": "runs/lm", "text": "x" * 40}, 400, "reads at most 32"),

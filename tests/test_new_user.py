@@ -149,6 +149,7 @@ def test_the_last_evaluation_reads_at_most_what_the_run_trained_on() -> None:
     cfg = config("lm")
     assert cfg.final_eval_tokens is None and cfg.eval_tokens == 8192
     assert cfg.final_budget(358_400) == 358_400 and cfg.final_budget(1000) == 8192 and cfg.final_budget(0) is None
+    assert config("lm", eval_tokens=None).final_budget(1000) is None  # periodic evaluations read it all: so does it
     assert config("lm", final_eval_tokens=0).final_budget(10**9) is None
     assert config("lm", final_eval_tokens=5000).final_budget(10**9) == 5000
     with pytest.raises(QkvError, match="final-eval-tokens must be ≥ 2, got 1"):

@@ -69,9 +69,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     if not args.out:
         raise QkvError("give --out DATA_DIR: the directory to write the shards to")
     from qkv.data.options import PrepareOptions
-    from qkv.data.prepare import prepare
+    from qkv.data.prepare import check_output, prepare
     from qkv.data.sources import ReadOptions
 
+    check_output(args.inputs, args.out)  # before the tokenizer: its own errors would hide this one
     tokenizer = _tokenizer(args)
     # '\n\n' typed in a shell is a backslash and an n: read escapes, keep every other character as it is.
     separator = None if args.separator is None else args.separator.encode("raw_unicode_escape").decode(

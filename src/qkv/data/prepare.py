@@ -26,7 +26,7 @@ import multiprocessing
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,14 @@ from qkv.io.progress import ProgressLine, clock
 from qkv.tokenizers import ByteBPETokenizer, CharTokenizer, Tokenizer, load_tokenizer
 
 
+def check_output(inputs: Sequence[str | Path], out: str | Path) -> None:
+    """Refuse an output directory that is one of the inputs, in one line naming --out."""
+    out = Path(out)
+    if any(Path(i).resolve() == out.resolve() for i in inputs):
+        raise QkvError(f"--out {out} is the input directory itself; write the shards to another one, e.g. --out "
+                       f"{out.resolve().name}-data")  # fmt: skip
+
+
 def prepare(
     inputs: list[str],
     out: str | Path,
@@ -65,10 +73,7 @@ def prepare(
     tokenizer: a ready one (GPT-2's, a run's, a checkpoint's: `tokenizer_name` says which) or a recipe.
     """
     out = Path(out)
-    same = [str(i) for i in inputs if Path(i).resolve() == out.resolve()]
-    if same:
-        raise QkvError(f"--out {out} is the input directory itself; write the shards to another one, e.g. --out "
-                       f"{out.resolve().name}-data")  # fmt: skip
+    check_output(inputs, out)
     paths = [p for p in expand_inputs(inputs) if out.resolve() not in p.parents]  # never its own output
     if not any(p.stat().st_size for p in paths):
         what = f"{paths[0]} is empty" if len(paths) == 1 else f"all {len(paths)} inputs are empty"

@@ -88,21 +88,26 @@ class PatchJobs:
         return job
 
     def _run(self, job: Job, rows: Iterator[Row]) -> None:
-        """Compute the rows one forward pass at a time, stopping between two when cancelled or abandoned."""
+        """Compute the rows one forward pass at a time, stopping between two when cancelled or abandoned.
+
+        The slot is given back before the job's end is published: whoever sees it done may start the next map at
+        once, however late this thread runs again.
+        """
+        ended = "done"
         try:
             with torch.no_grad():
                 for done in range(job.total):
                     if done and (job.stop.is_set() or time.monotonic() - job.polled > self.abandoned_s):
-                        job.state = "cancelled"
-                        return
+                        ended = "cancelled"
+                        break
                     kind, _, effects = next(rows)  # the next layer's forward pass
                     (job.resid if kind == "resid" else job.heads).append([float(v) for v in effects])
-            job.state = "done"
         except Exception as err:  # a fault of the model, not of the request: the page shows it as the map's end
             job.error = " ".join(f"{type(err).__name__}: {err}".split())[:500]
-            job.state = "failed"
+            ended = "failed"
         finally:
             self._slots.release()
+            job.state = ended
 
     def get(self, job_id: str) -> Job:
         """The job with this id (marked as polled now), or a 404."""

@@ -173,7 +173,7 @@ def load(path: str | Path, checkpoint: str = "best", device: str | torch.device 
 
     where = Path(path)
     if run_task(where) is None:
-        wanted = None if expect in (None, "lm") else f"{_entry(expect).kind}; it takes a run of `qkv train {expect}`"
+        wanted = None if expect in (None, "lm") else f"{_entry(expect).kind}; give a run of `qkv train {expect}`"
         return load_checkpoint(where, device, wanted, role)
     stored = read_run_config(where)
     if expect is not None and stored["task"] != expect:

@@ -65,7 +65,7 @@ class CheckpointRun(FinetunedRun):
 
 def load_checkpoint(path: Path, device: str | torch.device, refused: str | None, role: str) -> CheckpointRun:
     """The language model in a checkpoint that is not a run; refused: what the command needs instead, if it needs
-    something else (e.g. "translation model; it takes a run of `qkv train translate`")."""
+    something else (e.g. "translation model; give a run of `qkv train translate`")."""
     from qkv.finetune.base import base_config
 
     base_config(path, role)  # refuses what is no checkpoint, or holds no decoder-only model, in one line

@@ -60,8 +60,9 @@ class LMConfig(TextConfig[DecoderLMConfig]):
     eval_tokens: int | None = option(8192, "validation tokens read by periodic evaluations, spread over the split "
                                      "(none: all)")  # fmt: skip
     final_eval_tokens: int | None = option(None, "validation tokens read by the last evaluation and `qkv eval` "
-                                           "(none: the whole split, or as many tokens as the run trained on when the "
-                                           "split is longer; 0: always the whole split)")  # fmt: skip
+                                           "(none: the whole split, or as many tokens as the run trained on when "
+                                           "the split is longer and --eval-tokens is set; 0: always the whole "
+                                           "split)")  # fmt: skip
     sample_tokens: int = option(400, "tokens sampled when training ends (0 = none)")
     init_from: str | None = option(None, "fine-tune this checkpoint: a .gguf file, a Hugging Face directory, a `qkv "
                                    "convert` directory or a qkv run; its architecture and tokenizer are the run's",
@@ -80,7 +81,9 @@ class LMConfig(TextConfig[DecoderLMConfig]):
         """The tokens the last evaluation reads (None: the whole split) after a run that trained on tokens_seen."""
         if self.final_eval_tokens is not None:
             return self.final_eval_tokens or None
-        return None if not tokens_seen else max(tokens_seen, self.eval_tokens or 0)
+        if self.eval_tokens is None or not tokens_seen:  # periodic evaluations read it all: so does the last
+            return None
+        return max(tokens_seen, self.eval_tokens)
 
     def check(self) -> None:
         """The shared checks, then the language model's own."""
