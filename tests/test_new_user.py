@@ -264,3 +264,22 @@ def test_chat_takes_the_checkpoints_recommended_sampling(made: dict[str, Path], 
     sampling, origin = chat_sampling({**none, "temperature": 0.0, "seed": 3}, recommended)
     assert (sampling.temperature, sampling.top_p, sampling.seed) == (0.0, 0.95, 3)
     assert origin == "as given, the rest the checkpoint's recommendation"
+
+
+def test_the_commands_a_run_suggests_name_qkv_as_started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`more: …` hints say `qkv` only when that is on PATH; else the venv's script or `python -m qkv`, as typed."""
+    from qkv.io.invocation import program
+
+    script = tmp_path / ".venv" / "bin" / "qkv"
+    script.parent.mkdir(parents=True)
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", [str(script), "train"])
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert program() == ".venv/bin/qkv"
+    monkeypatch.setenv("PATH", f"{script.parent}:/usr/bin:/bin")
+    assert program() == "qkv"
+    monkeypatch.setattr("sys.argv", ["/somewhere/qkv/__main__.py", "train"])
+    monkeypatch.setattr("sys.executable", str(tmp_path / ".venv" / "bin" / "python"))
+    assert program() == ".venv/bin/python -m qkv"

@@ -25,6 +25,7 @@ from qkv.chat.template import GIVE_TEMPLATE, TEMPLATE_FILE, read_template_file
 from qkv.errors import QkvError
 from qkv.generation import GREEDY
 from qkv.io.files import file_sha256
+from qkv.io.invocation import program
 from qkv.tasks.base import EvalOptions
 from qkv.tasks.finetune import FinetunedRun, FinetuneTask
 from qkv.tasks.lm import LMConfig
@@ -160,12 +161,14 @@ class ChatTask(FinetuneTask):
             try:
                 tokens, _ = session.say(conversation[turn - 1]["content"])
             except QkvError:  # no room for sample_tokens in the model's context after this conversation
-                return "\n".join([*lines, f"more: qkv chat {result.run_dir}  |  qkv eval {result.run_dir}"])
+                q = program()
+                return "\n".join([*lines, f"more: {q} chat {result.run_dir}  |  {q} eval {result.run_dir}"])
             reply = run.require_tokenizer().decode(list(tokens))
             lines += ["\n--- a validation conversation " + "-" * 41, f"{conversation[turn - 1]['role']}: "
                       f"{conversation[turn - 1]['content']}", f"reference: {conversation[turn]['content']}",
                       f"model:     {reply}", "-" * 71]  # fmt: skip
-        lines.append(f"more: qkv chat {result.run_dir}  |  qkv eval {result.run_dir}  |  qkv explore {result.run_dir}")
+        q = program()
+        lines.append(f"more: {q} chat {result.run_dir}  |  {q} eval {result.run_dir}  |  {q} explore {result.run_dir}")
         return "\n".join(lines)
 
 

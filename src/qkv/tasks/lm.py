@@ -29,6 +29,7 @@ from qkv.data.options import TokenizerRecipe
 from qkv.data.tokens import TokenData, TokenSplit
 from qkv.errors import QkvError
 from qkv.generation import Sampling, generate
+from qkv.io.invocation import program
 from qkv.io.progress import ProgressLine, batch_progress
 from qkv.io.run_dir import read_metrics
 from qkv.lora import LoRAConfig
@@ -261,9 +262,9 @@ class LMTask(NextToken, Task):
                  f"{result.took()} — run saved in {result.run_dir}"]  # fmt: skip
         if self.cfg.sample_tokens > 0:
             lines += self.sample(result.run_dir)
-        prompt = "ROMEO:" if self.cfg.source is None else "The"
-        lines.append(f"more: qkv generate {result.run_dir} --prompt '{prompt}'  |  qkv eval {result.run_dir}  |  "
-                     f"qkv explore {result.run_dir}")  # fmt: skip
+        prompt, q = ("ROMEO:" if self.cfg.source is None else "The"), program()
+        lines.append(f"more: {q} generate {result.run_dir} --prompt '{prompt}'  |  {q} eval {result.run_dir}  |  "
+                     f"{q} explore {result.run_dir}")  # fmt: skip
         return "\n".join(lines)
 
     def loaded(self, run_dir: Path) -> LMRun:

@@ -28,6 +28,7 @@ from qkv.data.batches import random_windows
 from qkv.data.options import TokenizerRecipe
 from qkv.data.tokens import TokenData, TokenSplit
 from qkv.errors import QkvError
+from qkv.io.invocation import program
 from qkv.models import EmbeddingConfig, EncoderConfig, EncoderModel
 from qkv.norms import NormConfig
 from qkv.positional import RotaryPositionsConfig
@@ -238,7 +239,8 @@ class MLMTask(Task):
         run = MLMRun.load(result.run_dir)
         for text in ("My lord, I <mask> you.", "What is your <mask>?"):
             lines.append(f"{text!r} → {run.fill_mask(text)}")
-        lines.append(f"more: qkv eval {result.run_dir}   |   qkv lab attention-map {result.run_dir} --text 'ROMEO:'")
+        q = program()
+        lines.append(f"more: {q} eval {result.run_dir}   |   {q} lab attention-map {result.run_dir} --text 'ROMEO:'")
         return "\n".join(lines)
 
 

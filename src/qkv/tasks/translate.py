@@ -24,6 +24,7 @@ from qkv.blocks import BlockConfig, FeedForwardConfig, StackConfig
 from qkv.config import option
 from qkv.errors import QkvError
 from qkv.extras import require
+from qkv.io.invocation import program
 from qkv.models import EmbeddingConfig, Transformer, TransformerConfig
 from qkv.positional import SinusoidalPositionsConfig
 from qkv.tasks.base import EvalOptions, LoadedRun, read_tokenizer
@@ -252,10 +253,10 @@ class TranslateTask(Task):
 
     def summary(self, result: TrainResult) -> str:
         """The final validation loss and BLEU, and what to try next."""
-        final = result.final
+        final, q = result.final, program()
         return (f"\nval loss {final['val_loss']:.4f}, val BLEU {final['val_bleu']:.2f} (best {result.best or 0:.2f}) "
                 f"after {result.step} steps, {result.took()} — run saved in {result.run_dir}\n"
-                f"more: qkv translate {result.run_dir} 'Wie geht es dir?'   |   qkv eval {result.run_dir}")  # fmt: skip
+                f"more: {q} translate {result.run_dir} 'Wie geht es dir?'   |   {q} eval {result.run_dir}")  # fmt: skip
 
 
 @dataclass
