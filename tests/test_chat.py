@@ -8,6 +8,7 @@ import json
 import os
 import pty
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -153,7 +154,7 @@ def test_the_history_drops_its_oldest_exchanges_to_fit_the_context(smollm2: Any)
 def _turns(session: ChatSession, messages: list[str]) -> tuple[list[list[int]], list[int]]:
     """Each message's greedy reply, and the tokens the model read in each turn's first forward pass."""
     replies, reads = [], []
-    handle = session.model.register_forward_pre_hook(lambda _, args: reads.append(args[0].shape[1]))
+    handle = session.model.embed.register_forward_pre_hook(lambda _, args: reads.append(args[0].shape[1]))
     try:
         for text in messages:
             before = len(reads)
@@ -287,6 +288,9 @@ class Terminal:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: the terminal's session leader, as a shell would start it
             os.chdir(cwd)
+            # Started as a background job or under nohup is: SIGINT ignored, which exec keeps. The program must
+            # still stop a reply on Ctrl-C (a suite run from such a launcher hit this).
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             os.execve(sys.executable, [sys.executable, *argv], subprocess_env())
         self.seen = ""
 

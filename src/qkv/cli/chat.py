@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import signal
 import sys
 from typing import Any
 
 from qkv.cli.common import MODEL_HELP
-from qkv.cli.runs import TextStream, run_options, sampling_options
+from qkv.cli.runs import TextStream, native_gguf, run_options, sampling_options
 from qkv.errors import QkvError
 
 HELP = "/system TEXT sets the system message, /reset clears the history, Ctrl-C stops a reply, Ctrl-D leaves"
@@ -46,7 +47,8 @@ def _session(args: argparse.Namespace) -> Any:
         raise QkvError(f"--max-new-tokens must be ≥ 1, got {args.max_new_tokens}")
     source = read_template_file(args.chat_template) if args.chat_template else None
     origin = f"--chat-template {args.chat_template}" if args.chat_template else args.run_dir
-    lm = load_eval_model(args.run_dir, args.checkpoint, resolve_device(args.device), use="chat talks with")
+    device = resolve_device(args.device)
+    lm = load_eval_model(args.run_dir, args.checkpoint, device, "chat talks with", native_gguf(args.run_dir, device))
     source = source or template_source(args.run_dir, lm.metadata)
     if source is None:
         raise QkvError(f"{args.run_dir} has no chat template; {GIVE_TEMPLATE}")
@@ -101,6 +103,8 @@ def _command(session: Any, line: str) -> bool:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Read messages until Ctrl-D; answer each."""
+    # Ctrl-C stops a reply even where the launcher ignored SIGINT (a background job, nohup), as children inherit.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     session, name = _session(args)
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401  (line editing and history for input(), where the platform has it)
