@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qkv import DecoderLM, DecoderLMConfig, QkvError
-from qkv.attention import LayerCache
+from qkv.attention import LayerCache, cache_length
 from qkv.generation import Sampling, filter_logits, generate, next_token_probs, sample_next, stream
 
 
@@ -45,6 +45,25 @@ def test_greedy_is_identical_with_and_without_cache(positions: str, n_kv: int | 
     with torch.no_grad():
         logits = model(cached[:, :-1])
     assert torch.equal(logits[:, 3:].argmax(-1), cached[:, 4:])
+
+
+@pytest.mark.parametrize("prompt_length", [4, 5, 9, 13])
+def test_a_prompt_read_in_chunks_gives_the_logits_of_one_pass(prompt_length: int,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill reads the prompt in chunks of PREFILL_CHUNK tokens and un-embeds only its last position."""
+    import qkv.generation
+
+    monkeypatch.setattr(qkv.generation, "PREFILL_CHUNK", 4)
+    model = tiny_lm("rotary", n_kv_heads=2)
+    prompt = torch.randint(0, 13, (2, prompt_length))
+    cache = model.new_cache(24)
+    with torch.no_grad():
+        chunked = qkv.generation._read(model, prompt, cache)
+        whole = model(prompt)[:, -1]
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
+    assert cache_length(cache) == prompt_length
+    cached = generate(model, prompt, 8, Sampling(temperature=0.0))
+    assert torch.equal(cached, generate(model, prompt, 8, Sampling(temperature=0.0), use_cache=False))
 
 
 @settings(max_examples=10, deadline=None)
@@ -91,7 +110,7 @@ def test_a_cache_that_holds_the_prompts_start_reads_only_the_rest(new_tokens: in
     with torch.no_grad():
         model(prompt[:, :12], cache=cache)
     reads: list[int] = []
-    handle = model.register_forward_pre_hook(lambda _, args: reads.append(args[0].shape[1]))
+    handle = model.embed.register_forward_pre_hook(lambda _, args: reads.append(args[0].shape[1]))  # ids (B, T)
     try:
         resumed = torch.stack(list(stream(model, prompt, new_tokens, Sampling(temperature=0.0), cache=cache)), 1)
     finally:

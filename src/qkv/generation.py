@@ -121,6 +121,20 @@ def stream(
     return _stream(model, ids, max_new_tokens, sampling, eos_id, cache)
 
 
+PREFILL_CHUNK = 512  # prompt tokens read per forward pass: long prompts in bounded memory, each pass still batched
+
+
+def _read(model: CausalLM, ids: Tensor, cache: list[LayerCache] | None) -> Tensor:
+    """The next token's logits (B, V) after reading ids (B, T) into the cache: in chunks, un-embedding only the last
+    position, where the model can (DecoderLM.next_logits)."""
+    last = getattr(model, "next_logits", None)
+    if cache is None or last is None:
+        return model(ids, cache=cache)[:, -1]
+    for start in range(0, ids.shape[1] - PREFILL_CHUNK, PREFILL_CHUNK):
+        model.hidden(ids[:, start : start + PREFILL_CHUNK], cache)  # type: ignore[attr-defined]
+    return last(ids[:, (ids.shape[1] - 1) // PREFILL_CHUNK * PREFILL_CHUNK :], cache)
+
+
 @torch.inference_mode()  # like no_grad, minus autograd's version counters and view tracking
 def _stream(
     model: CausalLM, ids: Tensor, max_new_tokens: int, sampling: Sampling, eos_id: int | None,
@@ -137,7 +151,7 @@ def _stream(
         if cache is not None and cached + next_input.shape[1] > limit:
             crop_cache(cache, 0)  # context full: re-read the last `limit` tokens
             cached, next_input = 0, seq[:, -limit:]
-        logits = model(next_input, cache=cache)[:, -1]  # (B, V)
+        logits = _read(model, next_input, cache)  # (B, V)
         cached += next_input.shape[1]
         token = sample_next(logits, sampling, generator)
         if eos_id is not None:

@@ -34,8 +34,10 @@ def register(sub: Any) -> None:
     sampling_options(p)
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step")
-    p.add_argument("--dtype", choices=DTYPES, default="float32",
-                   help="weights and activations while decoding; bfloat16 reads half the bytes per token")  # fmt: skip
+    p.add_argument("--dtype", choices=DTYPES,
+                   help="weights and activations while decoding; bfloat16 reads half the bytes per token (default: "
+                        "a GGUF file's own precision on the CPU, its quantised matrices multiplied as stored; "
+                        "float32 otherwise)")  # fmt: skip
     p.add_argument("--quantize", choices=("int8",),
                    help="int8: every Linear's weight in 1 byte with a scale per output channel, activations in "
                         "--dtype (a quarter of float32's bytes per token)")  # fmt: skip
@@ -106,6 +108,11 @@ def _penalty_options(p: argparse.ArgumentParser) -> None:
                    help="beam: GNMT's β, the cost of unattended source tokens (default: the run's, 0)")  # fmt: skip
 
 
+def native_gguf(model: str, device: Any, dtype: str | None = None, quantize: str | None = None) -> bool:
+    """Whether to run a GGUF file at its own precision: a .gguf on the CPU, with no --dtype or --quantize given."""
+    return Path(model).suffix.lower() == ".gguf" and device.type == "cpu" and dtype is None and quantize is None
+
+
 def _load(args: argparse.Namespace, expect: str | None = None, stored: dict[str, Any] | None = None) -> Any:
     """The run or checkpoint named on the command line, on its device (`stored`: its config.json, if read)."""
     from qkv.io.devices import resolve_device
@@ -115,7 +122,9 @@ def _load(args: argparse.Namespace, expect: str | None = None, stored: dict[str,
     if stored is not None:
         cls = run_class(config_class(stored["task"]).from_stored(stored))
         return cls.load(Path(args.run_dir), args.checkpoint, device, stored)
-    return load(args.run_dir, args.checkpoint, device, expect, role="MODEL")
+    # Commands with a --dtype (generate) decode: a GGUF runs at its own precision; eval's numbers stay float32's.
+    native = hasattr(args, "dtype") and native_gguf(args.run_dir, device, args.dtype, args.quantize)
+    return load(args.run_dir, args.checkpoint, device, expect, role="MODEL", native=native)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -128,12 +137,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise QkvError(f"--num-samples must be ≥ 1, got {args.num_samples}")
     run = _load(args, expect="lm")
     tokenizer = run.require_tokenizer()
-    run.model.to(getattr(torch, args.dtype))  # the model only: token ids and the sampling stay as they are
+    dtype = args.dtype or "float32"
+    run.model.to(getattr(torch, dtype))  # the model only (quantised codes stay): ids and the sampling stay as they are
     if args.quantize == "int8":
         from qkv.quantization import quantize_int8
 
         quantize_int8(run.model)
-    elif args.dtype == "float32" and args.num_samples == 1 and run.device.type == "cpu":
+    elif dtype == "float32" and args.num_samples == 1 and run.device.type == "cpu":
         from qkv.quantization import input_major
 
         input_major(run.model)  # one float32 sequence: the CPU reads Wᵀ (in, out) faster (qkv/quantization.py)

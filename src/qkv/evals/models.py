@@ -29,9 +29,10 @@ class EvalModel:
 
 
 def load_eval_model(path: str | Path, checkpoint: str = "best", device: str | torch.device = "cpu",
-                    use: str = "--bench and --bpb score") -> EvalModel:  # fmt: skip
+                    use: str = "--bench and --bpb score", native: bool = False) -> EvalModel:  # fmt: skip
     """The causal LM at `path` (qkv.tasks.load: a run or any checkpoint), or a one-line error saying what it is
-    instead and what to do (use: what the command does with it, for messages)."""
+    instead and what to do (use: what the command does with it, for messages; native: a GGUF's quantised matrices
+    kept quantised)."""
     from qkv.tasks import load
     from qkv.tasks.checkpoint import CheckpointRun, run_task
 
@@ -41,7 +42,7 @@ def load_eval_model(path: str | Path, checkpoint: str = "best", device: str | to
         also = f"; `qkv eval {where}` gives its task's own measures" if use.startswith("--bench") else ""
         raise QkvError(f"{where} is a `qkv train {task}` run; {use} causal language models (runs of `qkv train`, "
                        f"GGUF or Hugging Face checkpoints){also}")  # fmt: skip
-    run = load(where, checkpoint, device, expect="lm", role=ROLE)
+    run = load(where, checkpoint, device, expect="lm", role=ROLE, native=native)
     if not isinstance(run.model, DecoderLM):
         raise QkvError(f"{where} holds a {type(run.model).__name__}; {use} decoder-only language models")
     if isinstance(run, CheckpointRun):

@@ -53,9 +53,10 @@ def _decoder_only(cfg: QkvConfig, where: Path, role: str) -> DecoderLMConfig:
     return cfg
 
 
-def load_base(path: str | Path, reference: dict[str, Any] | None = None, role: str = "--init-from") -> Base:
+def load_base(path: str | Path, reference: dict[str, Any] | None = None, role: str = "--init-from",
+              native: bool = False) -> Base:  # fmt: skip
     """The decoder-only model and tokenizer at `path` (reference: an earlier one, which the weights must match;
-    role: the option that named it, for messages)."""
+    role: the option that named it, for messages; native: a GGUF's quantised matrices kept so, for inference)."""
     from qkv.interop import from_hf, read_checkpoint, tokenizer_from_hf
     from qkv.interop.marian_tokenizer import read_tokenizer
 
@@ -67,7 +68,7 @@ def load_base(path: str | Path, reference: dict[str, Any] | None = None, role: s
         if reference is None:  # a fine-tuned run's own checkpoint's ids and chat template, passed on
             ref["metadata"] = dict((load_json(where / CONFIG_FILE).get("base") or {}).get("metadata") or {})
     else:
-        ckpt = read_checkpoint(where)  # a GGUF file is read, and dequantised to fp32, once
+        ckpt = read_checkpoint(where, native)  # a GGUF file is read (and dequantised to fp32 unless native) once
         model, tokenizer = from_hf(ckpt), tokenizer_from_hf(ckpt)
         if reference is None:  # what exporting the fine-tuned model needs again: the special ids, the chat template
             ref["metadata"] = {k: ckpt.config[k] for k in _METADATA if ckpt.config.get(k) is not None}

@@ -28,6 +28,7 @@ from qkv.interop.hf_io import (
     write_tokenizer,
 )
 from qkv.interop.marian_tokenizer import MarianTokenizer, is_marian_tokenizer_dir
+from qkv.interop.quantized import place_quantized
 from qkv.io.files import atomic_write_json, load_json
 from qkv.models import DecoderLM, QkvConfig, QkvModel, Transformer, build_model, model_type_of
 from qkv.tokenizers import ByteBPETokenizer, Tokenizer
@@ -55,14 +56,17 @@ def family_of(config: dict[str, Any]) -> Family:
     return FAMILIES[model_type]
 
 
-def from_hf(source: str | Path | Checkpoint) -> QkvModel:
-    """A qkv model (eval mode, fp32) with the weights of an HF directory, a .gguf file or a read Checkpoint."""
-    ckpt = source if isinstance(source, Checkpoint) else read_checkpoint(source)
+def from_hf(source: str | Path | Checkpoint, native: bool = False) -> QkvModel:
+    """A qkv model (eval mode, fp32) with the weights of an HF directory, a .gguf file or a read Checkpoint; with
+    `native`, a GGUF file's quantised matrices stay quantised (for inference: qkv.quantization.GroupLinear)."""
+    ckpt = source if isinstance(source, Checkpoint) else read_checkpoint(source, native)
     family = family_of(ckpt.config)
-    cfg = family.config_from_hf(ckpt.config, ckpt.tensors.keys())
+    cfg = family.config_from_hf(ckpt.config, [*ckpt.tensors, *ckpt.quantized])
     model = build_model(cfg)
-    load_mapped(model, ckpt, family, family.name_map(cfg))
-    return model.eval()
+    name_map = family.name_map(cfg)
+    done = place_quantized(model, ckpt, name_map) if ckpt.quantized else set()
+    load_mapped(model, ckpt, family, name_map, done)
+    return model.eval().requires_grad_(not done)
 
 
 def config_of(source: str | Path) -> QkvConfig:

@@ -23,6 +23,7 @@ from torch import Tensor
 from qkv.errors import QkvError
 from qkv.extras import require
 from qkv.interop.checkpoint import Checkpoint
+from qkv.quantization import BLOCKS, Groups, read_blocks
 
 _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER = {
@@ -177,18 +178,26 @@ def read_gguf_config(path: str | Path) -> dict[str, Any]:
     return _config_of(reader, [_hf_name(t.name) for t in reader.tensors])
 
 
-def read_gguf(path: str | Path) -> Checkpoint:
-    """A Llama-architecture GGUF file as an HF-named, HF-layout fp32 checkpoint with its tokenizer."""
+def read_gguf(path: str | Path, native: bool = False) -> Checkpoint:
+    """A Llama-architecture GGUF file as an HF-named, HF-layout fp32 checkpoint with its tokenizer; with `native`,
+    its block-quantised matrices stay quantised (Checkpoint.quantized) where qkv has their format."""
     gguf = _import_gguf()
     path = Path(path)
     reader = _open(path)
     n_heads = _field(reader, "llama.attention.head_count")
     n_kv_heads = _field(reader, "llama.attention.head_count_kv", n_heads)
     tensors: dict[str, Tensor] = {}
+    quantized: dict[str, Groups] = {}
     for t in reader.tensors:
         name = _hf_name(t.name)
         # GGUF lists dims fastest-first (ggml order); numpy/torch want them slowest-first.
         shape = tuple(int(d) for d in reversed(t.shape))
+        heads = n_heads if name.endswith("q_proj.weight") else n_kv_heads if name.endswith("k_proj.weight") else 0
+        if native and t.tensor_type.name in BLOCKS and len(shape) == 2:
+            raw = torch.from_numpy(np.array(t.data))  # a copy: the file is mapped read-only
+            groups = read_blocks(t.tensor_type.name, raw, (shape[0], shape[1]))
+            quantized[name] = groups.rows(_unpermute(torch.arange(shape[0]), heads)) if heads else groups
+            continue
         # np.asarray drops the memmap subclass, whose per-slice bookkeeping makes dequantising 5x slower.
         array = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape)
         # fp32 tensors come back as views of the read-only file: copy those, so the weights own their memory.
@@ -200,4 +209,5 @@ def read_gguf(path: str | Path) -> Checkpoint:
         elif name.endswith(("k_proj.weight", "k_proj.bias")):
             tensor = _unpermute(tensor, n_kv_heads)
         tensors[name] = tensor
-    return Checkpoint(_config_of(reader, tensors.keys()), tensors, str(path), _tokenizer(reader))
+    config = _config_of(reader, [*tensors, *quantized])
+    return Checkpoint(config, tensors, str(path), _tokenizer(reader), quantized)

@@ -172,13 +172,14 @@ def kv_heads(block: BlockConfig) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def read_checkpoint(path: str | Path) -> Checkpoint:
-    """A Hugging Face model directory (config.json + safetensors) or a .gguf file, in memory."""
+def read_checkpoint(path: str | Path, native: bool = False) -> Checkpoint:
+    """A Hugging Face model directory (config.json + safetensors) or a .gguf file, in memory (native: a GGUF's
+    quantised matrices kept quantised)."""
     path = Path(path)
     if path.is_file() and path.suffix.lower() == ".gguf":
         from qkv.interop.gguf_reader import read_gguf  # lazy: the gguf package is optional
 
-        return read_gguf(path)
+        return read_gguf(path, native)
     if path.is_file():
         if path.suffix.lower() in PICKLE_SUFFIXES:
             raise QkvError(f"refusing to load pickle file {path}: qkv only reads safetensors (pickle can run code)")
@@ -257,11 +258,16 @@ def _find(tensors: Collection[str], name: str, aliases: tuple[tuple[str, str], .
     return None
 
 
-def load_mapped(model: nn.Module, ckpt: Checkpoint, family: Family, name_map: NameMap) -> None:
-    """Fill every tensor of `model` from the checkpoint, naming any missing or mis-shaped tensor."""
+def load_mapped(model: nn.Module, ckpt: Checkpoint, family: Family, name_map: NameMap,
+                done: Collection[str] = ()) -> None:  # fmt: skip
+    """Fill every tensor of `model` from the checkpoint, naming any missing or mis-shaped tensor (done: the qkv
+    names already filled, by quantised modules; their own buffers are theirs)."""
     state: dict[str, Tensor] = {}
-    used: set[str] = set()
+    used = {name_map[n].name for n in done}
+    owned = {n.rsplit(".", 1)[0] for n in done}
     for qkv_name, target in model.state_dict().items():
+        if qkv_name in done or qkv_name.rsplit(".", 1)[0] in owned or qkv_name.rsplit(".", 2)[0] in owned:
+            continue
         ref = name_map.get(qkv_name)
         if ref is None:  # a family's map must cover its model: this is a bug in qkv, not in the checkpoint
             raise QkvError(f"the {family.name} name map has no entry for qkv tensor {qkv_name}")
@@ -283,7 +289,7 @@ def load_mapped(model: nn.Module, ckpt: Checkpoint, family: Family, name_map: Na
     if unused:  # e.g. a task head (classifier, MLM head) that the qkv model has no place for
         more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
         warnings.warn(f"{ckpt.source}: ignoring tensor(s) {', '.join(unused[:5])}{more}", stacklevel=3)
-    model.load_state_dict(state)  # copies, casting fp16/bf16 checkpoints to the model's fp32
+    model.load_state_dict(state, strict=not done)  # copies, casting fp16/bf16 checkpoints to the model's fp32
 
 
 # ---------------------------------------------------------------------------------------------

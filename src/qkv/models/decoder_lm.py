@@ -73,6 +73,10 @@ class DecoderLM(nn.Module):
         """
         return self.lm_head(self.hidden(ids, cache, padding_mask))  # (B, T, vocab)
 
+    def next_logits(self, ids: Tensor, cache: list[LayerCache] | None = None) -> Tensor:
+        """Logits (B, vocab) of the last position alone: reading a prompt need not un-embed every position."""
+        return self.lm_head(self.hidden(ids, cache)[:, -1])
+
     def hidden(self, ids: Tensor, cache: list[LayerCache] | None = None, padding_mask: Tensor | None = None,
                positions: Tensor | None = None, mask: Tensor | None = None) -> Tensor:  # fmt: skip
         """The final (normed) hidden states (B, T, d_model) that lm_head maps to logits: scoring a few positions

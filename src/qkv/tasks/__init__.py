@@ -161,12 +161,12 @@ def resumed(task: str, settings: Mapping[str, Any]) -> RunConfig[Any]:
 
 
 def load(path: str | Path, checkpoint: str = "best", device: str | torch.device = "cpu", expect: str | None = None,
-         role: str = "MODEL") -> Any:  # fmt: skip
+         role: str = "MODEL", native: bool = False) -> Any:  # fmt: skip
     """A run directory's model (best or last weights), tokenizer and settings, as its task's LoadedRun; or the
     language model of a .gguf file, a Hugging Face directory or a `qkv convert` directory, as a language-model run.
 
     expect: a task name; a model of another task is refused with a one-line error. role: the command that reads
-    the model, for messages.
+    the model, for messages. native: a GGUF file's quantised matrices stay quantised (for inference).
     """
     from qkv.io.run_dir import read_run_config
     from qkv.tasks.checkpoint import load_checkpoint, run_task
@@ -174,7 +174,7 @@ def load(path: str | Path, checkpoint: str = "best", device: str | torch.device 
     where = Path(path)
     if run_task(where) is None:
         wanted = None if expect in (None, "lm") else f"{_entry(expect).kind}; give a run of `qkv train {expect}`"
-        return load_checkpoint(where, device, wanted, role)
+        return load_checkpoint(where, device, wanted, role, native)
     stored = read_run_config(where)
     if expect is not None and stored["task"] != expect:
         raise QkvError(f"{path} holds a {_entry(stored['task']).kind} run, not a {_entry(expect).kind}")

@@ -46,11 +46,11 @@ class CheckpointRun(FinetunedRun):
     metadata: dict[str, Any] = field(default_factory=dict)  # the checkpoint's special ids and chat template
 
     @classmethod
-    def of(cls, path: Path, device: str | torch.device, role: str) -> CheckpointRun:
+    def of(cls, path: Path, device: str | torch.device, role: str, native: bool = False) -> CheckpointRun:
         """The decoder-only model and tokenizer at `path`, or a one-line error saying what it holds instead."""
         from qkv.finetune.base import load_base
 
-        base = load_base(path, role=role)
+        base = load_base(path, role=role, native=native)
         config = recipe().override({"model": base.model.cfg, "block_size": min(1024, base.model.cfg.context_length)})
         assert isinstance(config, LMConfig)
         metadata = dict(base.reference.get("metadata") or {})
@@ -63,7 +63,8 @@ class CheckpointRun(FinetunedRun):
                        f"`qkv eval {self.directory} --bpb` (bits per byte) or --bench NAMES")  # fmt: skip
 
 
-def load_checkpoint(path: Path, device: str | torch.device, refused: str | None, role: str) -> CheckpointRun:
+def load_checkpoint(path: Path, device: str | torch.device, refused: str | None, role: str,
+                    native: bool = False) -> CheckpointRun:  # fmt: skip
     """The language model in a checkpoint that is not a run; refused: what the command needs instead, if it needs
     something else (e.g. "translation model; give a run of `qkv train translate`")."""
     from qkv.finetune.base import base_config
@@ -71,4 +72,4 @@ def load_checkpoint(path: Path, device: str | torch.device, refused: str | None,
     base_config(path, role)  # refuses what is no checkpoint, or holds no decoder-only model, in one line
     if refused is not None:
         raise QkvError(f"{path} holds a language model, not a {refused}")
-    return CheckpointRun.of(path, device, role)
+    return CheckpointRun.of(path, device, role, native)

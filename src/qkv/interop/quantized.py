@@ -1,0 +1,52 @@
+"""A checkpoint's quantised matrices put into a built model: GroupLinear for each Linear, GroupEmbedding for a
+token table, both over the file's own codes (qkv.quantization)."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from qkv.interop.checkpoint import Checkpoint
+from qkv.interop.hf_io import NameMap, Ref
+from qkv.quantization import GroupEmbedding, GroupLinear, Groups, runs_natively
+
+
+def _plain(ref: Ref) -> bool:
+    """Whether the checkpoint tensor is the qkv tensor as it is (no transpose, slice or leading row)."""
+    return not (ref.transposed or ref.parts > 1 or ref.row)
+
+
+def _quantized(ckpt: Checkpoint, name_map: NameMap, qkv_name: str) -> Groups | None:
+    """The groups that hold this qkv weight, when the checkpoint kept them and a kernel multiplies them."""
+    ref = name_map.get(qkv_name)
+    groups = ckpt.quantized.get(ref.name) if ref is not None and _plain(ref) else None
+    return groups if groups is not None and runs_natively(groups) else None
+
+
+def place_quantized(model: nn.Module, ckpt: Checkpoint, name_map: NameMap) -> set[str]:
+    """Swap in quantised modules where the checkpoint kept a matrix quantised; their qkv tensor names (done).
+
+    A matrix with no kernel (Q6_K's groups of 16, a row count that is not a multiple of 16) is dequantised into
+    the checkpoint's float tensors instead, for load_mapped to read.
+    """
+    done: set[str] = set()
+    built: dict[str, GroupLinear] = {}  # HF name → module: a tied head and its embedding share one
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            full = f"{parent_name}.{name}" if parent_name else name
+            groups = _quantized(ckpt, name_map, f"{full}.weight")
+            if groups is None or not isinstance(child, nn.Linear | nn.Embedding):
+                continue
+            hf = name_map[f"{full}.weight"].name
+            bias: Tensor | None = None
+            if isinstance(child, nn.Linear) and child.bias is not None:
+                bias = ckpt.tensors[name_map[f"{full}.bias"].name]
+                done.add(f"{full}.bias")
+            if hf not in built:
+                built[hf] = GroupLinear(groups, bias)
+            table = built[hf]
+            setattr(parent, name, table if isinstance(child, nn.Linear) else GroupEmbedding(table))
+            done.add(f"{full}.weight")
+    for hf, groups in ckpt.quantized.items():
+        if hf not in built:
+            ckpt.tensors[hf] = groups.dequantize()
+    return done
