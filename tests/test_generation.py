@@ -237,3 +237,26 @@ def test_temperatures_that_would_overflow_the_logits_are_refused(temperature: fl
     logits = torch.tensor([[30.0, 29.0, -5.0]])
     probs = next_token_probs(logits, Sampling(temperature=1e-3))
     assert torch.isfinite(probs).all() and probs[0, 0] == 1.0
+
+
+@pytest.mark.slow
+def test_the_compiled_decode_step_gives_the_eager_tokens() -> None:
+    """stream(compiled=True): one Inductor compilation, dynamic in the cache's length, serves every step (no
+    recompiling as the cache grows), and its float32 tokens equal the eager ones."""
+    import torch._dynamo
+
+    from qkv.generation import compiled_step
+
+    torch._dynamo.reset()
+    model = tiny_lm("rotary", n_kv_heads=2)
+    prompt = torch.randint(0, 13, (2, 5), generator=torch.Generator().manual_seed(3))
+    eager = torch.stack(list(stream(model, prompt, 12, Sampling(temperature=0.0))), 1)
+    compiled = torch.stack(list(stream(model, prompt, 12, Sampling(temperature=0.0), compiled=True)), 1)
+    assert torch.equal(compiled, eager)
+    step = compiled_step(model)
+    assert step.compile_s is not None and step.compile_s > 0
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    again = torch.stack(list(stream(model, prompt, 12, Sampling(temperature=0.0), compiled=True)), 1)
+    assert torch.equal(again, eager) and torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
+    with pytest.raises(QkvError, match="a compiled decode step needs the KV cache"):
+        stream(model, prompt, 2, use_cache=False, compiled=True)

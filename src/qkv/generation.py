@@ -7,6 +7,8 @@ tokens (tests check it), the cache just avoids O(T²) recomputation.
 
 from __future__ import annotations
 
+import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, overload
@@ -98,6 +100,7 @@ def stream(
     eos_id: int | None = None,
     use_cache: bool = True,
     cache: list[LayerCache] | None = None,
+    compiled: bool = False,
 ) -> Iterator[Tensor]:
     """Yield the next token ids (B,) step by step; rows that produced eos_id keep yielding eos_id.
 
@@ -105,6 +108,7 @@ def stream(
     and the cache is rebuilt from that window, so cached and uncached runs stay identical.
     cache: a cache of the model's that already holds the keys and values of ids' first tokens (a conversation's
     earlier turns); generation reads only the rest of ids, and appends to it in place.
+    compiled: one-token steps run compiled_step(model) (the prompt is read eagerly).
     Bad arguments raise QkvError here, at the call, not at the first next().
     """
     if max_new_tokens < 0:
@@ -115,10 +119,40 @@ def stream(
     if cache_length(cache) >= ids.shape[1]:
         raise QkvError(f"the cache holds {cache_length(cache)} tokens of a {ids.shape[1]}-token prompt; it must "
                        "hold fewer, so that at least the prompt's last token is read")  # fmt: skip
+    if compiled and not (use_cache and hasattr(model, "next_logits")):
+        raise QkvError("a compiled decode step needs the KV cache and a qkv decoder-only model")
     if cache is None and use_cache:  # preallocated for the whole generation: it never regrows (and copies)
         limit = _model_setting(model, "max_positions") or 1 << 30
         cache = model.new_cache(min(limit, ids.shape[1] + max_new_tokens))
-    return _stream(model, ids, max_new_tokens, sampling, eos_id, cache)
+    return _stream(model, ids, max_new_tokens, sampling, eos_id, cache, compiled_step(model) if compiled else None)
+
+
+class CompiledStep:
+    """A model's one-token step (DecoderLM.next_logits) compiled by Inductor, dynamic in the cache's length, so that
+    one compilation serves every step: its hundreds of small ops become a few kernels (docs/speed.md)."""
+
+    def __init__(self, model: CausalLM) -> None:
+        self.step = torch.compile(model.next_logits, dynamic=True)  # type: ignore[attr-defined]
+        self.compile_s: float | None = None  # how long the first call took (compiling, or reading Inductor's cache)
+
+    def __call__(self, ids: Tensor, cache: list[LayerCache]) -> Tensor:
+        """Logits (B, V) after reading ids (B, 1) into the cache."""
+        if self.compile_s is None:
+            begin = time.perf_counter()
+            logits = self.step(ids, cache)
+            self.compile_s = time.perf_counter() - begin
+            return logits
+        return self.step(ids, cache)
+
+
+_COMPILED: weakref.WeakKeyDictionary[Any, CompiledStep] = weakref.WeakKeyDictionary()
+
+
+def compiled_step(model: CausalLM) -> CompiledStep:
+    """The model's compiled one-token step, made once per model (compilation is applied from outside the model)."""
+    if model not in _COMPILED:
+        _COMPILED[model] = CompiledStep(model)
+    return _COMPILED[model]
 
 
 PREFILL_CHUNK = 512  # prompt tokens read per forward pass: long prompts in bounded memory, each pass still batched
@@ -138,9 +172,9 @@ def _read(model: CausalLM, ids: Tensor, cache: list[LayerCache] | None) -> Tenso
 @torch.inference_mode()  # like no_grad, minus autograd's version counters and view tracking
 def _stream(
     model: CausalLM, ids: Tensor, max_new_tokens: int, sampling: Sampling, eos_id: int | None,
-    cache: list[LayerCache] | None,
+    cache: list[LayerCache] | None, step: CompiledStep | None = None,
 ) -> Iterator[Tensor]:  # fmt: skip
-    """The generator behind stream (arguments already validated; cache None: none)."""
+    """The generator behind stream (arguments already validated; cache None: none; step: a compiled one-token step)."""
     limit = _model_setting(model, "max_positions") or 1 << 30
     generator = sampling.generator(ids.device)
     finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
@@ -151,7 +185,10 @@ def _stream(
         if cache is not None and cached + next_input.shape[1] > limit:
             crop_cache(cache, 0)  # context full: re-read the last `limit` tokens
             cached, next_input = 0, seq[:, -limit:]
-        logits = _read(model, next_input, cache)  # (B, V)
+        if step is not None and cache is not None and next_input.shape[1] == 1:
+            logits = step(next_input, cache)  # (B, V)
+        else:
+            logits = _read(model, next_input, cache)
         cached += next_input.shape[1]
         token = sample_next(logits, sampling, generator)
         if eos_id is not None:

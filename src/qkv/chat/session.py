@@ -45,6 +45,7 @@ class ChatSession:
     history: list[Message] = field(default_factory=list)
     dropped: int = 0  # exchanges dropped from the front so far, to fit the context
     reuse_cache: bool = True  # keep the KV cache across turns: a turn reads only what its prompt adds
+    compiled: bool = False  # one-token steps compiled (qkv.generation.compiled_step)
     _cache: list[LayerCache] | None = field(default=None, init=False, repr=False)
     _cached: list[int] = field(default_factory=list, init=False, repr=False)  # the ids whose keys _cache holds
 
@@ -94,7 +95,8 @@ class ChatSession:
         prompt = torch.tensor([ids], dtype=torch.int64, device=device)
         stops, said, seen = stop_ids(self.tokenizer), [], list(ids)
         try:
-            for step in stream(self.model, prompt, self.max_new_tokens, self.sampling, cache=self._prefix_cache(ids)):
+            for step in stream(self.model, prompt, self.max_new_tokens, self.sampling, cache=self._prefix_cache(ids),
+                               compiled=self.compiled):  # fmt: skip
                 token = int(step[0])
                 seen.append(token)
                 if token in stops:

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from qkv.cli.common import MODEL_HELP
-from qkv.cli.runs import TextStream, native_gguf, run_options, sampling_options
+from qkv.cli.runs import TextStream, compile_option, native_gguf, run_options, sampling_options
 from qkv.errors import QkvError
 
 HELP = "/system TEXT sets the system message, /reset clears the history, Ctrl-C stops a reply, Ctrl-D leaves"
@@ -29,6 +29,7 @@ def register(sub: Any) -> None:
     p.add_argument("--system", help="the system message (default: the template's own, if it has one)")
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template, for a model without one")
     sampling_options(p, chat=True)
+    compile_option(p)
     run_options(p)
 
 
@@ -62,7 +63,8 @@ def _session(args: argparse.Namespace) -> Any:
                        f"{lm.model.cfg.context_length}-token context; lower it")  # fmt: skip
     template = ChatTemplate.of(source, tokenizer, origin)
     sampling, chosen_by = chat_sampling(given, lm.metadata.get("sampling"))
-    session = ChatSession(lm.model, tokenizer, template, sampling, args.max_new_tokens, args.system)
+    session = ChatSession(lm.model, tokenizer, template, sampling, args.max_new_tokens, args.system,
+                          compiled=args.compile)  # fmt: skip
     return session, f"{lm.name}, {lm.model.cfg.context_length}-token context, {describe(sampling)} ({chosen_by})"
 
 

@@ -34,6 +34,7 @@ def register(sub: Any) -> None:
     sampling_options(p)
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step")
+    compile_option(p)
     p.add_argument("--dtype", choices=DTYPES,
                    help="weights and activations while decoding; bfloat16 reads half the bytes per token (default: "
                         "a GGUF file's own precision on the CPU, its quantised matrices multiplied as stored; "
@@ -153,7 +154,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     ids = prompt_ids[None, :].repeat(args.num_samples, 1)  # (N, T): one row per sample
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     # stream() checks its arguments now, before anything is printed.
-    steps = stream(run.model, ids, args.max_new_tokens, sampling, tokenizer.eos_id, not args.no_cache)
+    steps = stream(run.model, ids, args.max_new_tokens, sampling, tokenizer.eos_id, not args.no_cache,
+                   compiled=args.compile)  # fmt: skip
     texts: list[list[int]] = [[] for _ in range(args.num_samples)]
     streamed = TextStream(tokenizer.decode, prompt_ids.tolist())  # sample 1, when it is the only one
     if args.num_samples == 1:
@@ -170,7 +172,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         for row, tokens in enumerate(texts):
             print(f"--- sample {row + 1} ---\n{args.prompt}{tokenizer.decode(tokens)}")
+    if args.compile:
+        sys.stdout.flush()
+        print(compile_note(run.model), file=sys.stderr)
     return 0
+
+
+def compile_option(p: argparse.ArgumentParser) -> None:
+    """--compile, for the commands that decode."""
+    p.add_argument("--compile", action="store_true",
+                   help="compile the one-token decode step (Inductor): faster tokens, after a first run that "
+                        "compiles for about a minute on 2 CPU cores (later runs read Inductor's cache)")  # fmt: skip
+
+
+def compile_note(model: Any) -> str:
+    """What compiling the decode step cost, for stderr after the text."""
+    from qkv.generation import compiled_step
+
+    took = compiled_step(model).compile_s
+    if took is None:
+        return "(--compile: no token was decoded after the prompt, so nothing was compiled)"
+    return f"(--compile: the decode step's first call took {took:.1f} s, compiling or reading Inductor's cache)"
 
 
 class TextStream:

@@ -13,6 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from qkv.errors import QkvError
 from qkv.interop import bart, bert, deepseek, gpt2, llama, marian
 from qkv.interop.hf_io import (
@@ -28,8 +30,9 @@ from qkv.interop.hf_io import (
     write_tokenizer,
 )
 from qkv.interop.marian_tokenizer import MarianTokenizer, is_marian_tokenizer_dir
-from qkv.interop.quantized import place_quantized
+from qkv.interop.quantized import materialise, place_quantized
 from qkv.io.files import atomic_write_json, load_json
+from qkv.io.memory import release_freed_memory
 from qkv.models import DecoderLM, QkvConfig, QkvModel, Transformer, build_model, model_type_of
 from qkv.tokenizers import ByteBPETokenizer, Tokenizer
 
@@ -62,11 +65,18 @@ def from_hf(source: str | Path | Checkpoint, native: bool = False) -> QkvModel:
     ckpt = source if isinstance(source, Checkpoint) else read_checkpoint(source, native)
     family = family_of(ckpt.config)
     cfg = family.config_from_hf(ckpt.config, [*ckpt.tensors, *ckpt.quantized])
-    model = build_model(cfg)
+    if not ckpt.quantized:
+        model = build_model(cfg)
+        load_mapped(model, ckpt, family, family.name_map(cfg))
+        return model.eval()
+    with torch.device("meta"):  # no float copy of the matrices that stay quantised, not even for a moment
+        model = build_model(cfg)
     name_map = family.name_map(cfg)
-    done = place_quantized(model, ckpt, name_map) if ckpt.quantized else set()
+    done = place_quantized(model, ckpt, name_map)
+    materialise(model)
     load_mapped(model, ckpt, family, name_map, done)
-    return model.eval().requires_grad_(not done)
+    release_freed_memory()  # the codes were decoded one matrix at a time: give the scratch back
+    return model.eval().requires_grad_(False)
 
 
 def config_of(source: str | Path) -> QkvConfig:

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import Tensor
 
-from qkv.quantization import Groups
+from qkv.quantization import Blocks
 
 
 @dataclass
@@ -18,4 +18,4 @@ class Checkpoint:
     tensors: dict[str, Tensor]
     source: str
     tokenizer: Any = field(default=None, repr=False)  # a `tokenizers.Tokenizer` when the source carries one
-    quantized: dict[str, Groups] = field(default_factory=dict, repr=False)  # GGUF matrices kept as their codes
+    quantized: dict[str, Blocks] = field(default_factory=dict, repr=False)  # GGUF matrices kept as the file has them

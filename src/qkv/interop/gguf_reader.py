@@ -23,7 +23,7 @@ from torch import Tensor
 from qkv.errors import QkvError
 from qkv.extras import require
 from qkv.interop.checkpoint import Checkpoint
-from qkv.quantization import BLOCKS, Groups, read_blocks
+from qkv.quantization import BLOCKS, Blocks
 
 _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER = {
@@ -187,16 +187,21 @@ def read_gguf(path: str | Path, native: bool = False) -> Checkpoint:
     n_heads = _field(reader, "llama.attention.head_count")
     n_kv_heads = _field(reader, "llama.attention.head_count_kv", n_heads)
     tensors: dict[str, Tensor] = {}
-    quantized: dict[str, Groups] = {}
+    quantized: dict[str, Blocks] = {}
     for t in reader.tensors:
         name = _hf_name(t.name)
         # GGUF lists dims fastest-first (ggml order); numpy/torch want them slowest-first.
         shape = tuple(int(d) for d in reversed(t.shape))
         heads = n_heads if name.endswith("q_proj.weight") else n_kv_heads if name.endswith("k_proj.weight") else 0
+        if native and t.tensor_type.name not in (*BLOCKS, "F32", "F16", "BF16"):
+            raise QkvError(f"{path}: tensor {t.name} is {t.tensor_type.name}, which qkv cannot run natively (it runs "
+                           f"{', '.join(BLOCKS)}); pass --dtype float32 to dequantise the model instead")  # fmt: skip
         if native and t.tensor_type.name in BLOCKS and len(shape) == 2:
-            raw = torch.from_numpy(np.array(t.data))  # a copy: the file is mapped read-only
-            groups = read_blocks(t.tensor_type.name, raw, (shape[0], shape[1]))
-            quantized[name] = groups.rows(_unpermute(torch.arange(shape[0]), heads)) if heads else groups
+            with warnings.catch_warnings():  # read-only: the file's mapped bytes, which qkv only reads
+                warnings.simplefilter("ignore", UserWarning)
+                raw = torch.from_numpy(np.asarray(t.data))
+            rows = _unpermute(torch.arange(shape[0]), heads) if heads else None
+            quantized[name] = Blocks(t.tensor_type.name, raw, (shape[0], shape[1]), rows)
             continue
         # np.asarray drops the memmap subclass, whose per-slice bookkeeping makes dequantising 5x slower.
         array = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape)

@@ -3,11 +3,12 @@ token table, both over the file's own codes (qkv.quantization)."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from qkv.interop.checkpoint import Checkpoint
 from qkv.interop.hf_io import NameMap, Ref
-from qkv.quantization import GroupEmbedding, GroupLinear, Groups, runs_natively
+from qkv.quantization import Blocks, GroupEmbedding, GroupLinear, runs_natively
 
 
 def _plain(ref: Ref) -> bool:
@@ -15,11 +16,11 @@ def _plain(ref: Ref) -> bool:
     return not (ref.transposed or ref.parts > 1 or ref.row)
 
 
-def _quantized(ckpt: Checkpoint, name_map: NameMap, qkv_name: str) -> Groups | None:
-    """The groups that hold this qkv weight, when the checkpoint kept them and a kernel multiplies them."""
+def _quantized(ckpt: Checkpoint, name_map: NameMap, qkv_name: str) -> Blocks | None:
+    """The blocks that hold this qkv weight, when the checkpoint kept them and a kernel multiplies them."""
     ref = name_map.get(qkv_name)
-    groups = ckpt.quantized.get(ref.name) if ref is not None and _plain(ref) else None
-    return groups if groups is not None and runs_natively(groups) else None
+    blocks = ckpt.quantized.get(ref.name) if ref is not None and _plain(ref) else None
+    return blocks if blocks is not None and runs_natively(blocks.shape, blocks.group, blocks.bits) else None
 
 
 def place_quantized(model: nn.Module, ckpt: Checkpoint, name_map: NameMap) -> set[str]:
@@ -33,8 +34,8 @@ def place_quantized(model: nn.Module, ckpt: Checkpoint, name_map: NameMap) -> se
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             full = f"{parent_name}.{name}" if parent_name else name
-            groups = _quantized(ckpt, name_map, f"{full}.weight")
-            if groups is None or not isinstance(child, nn.Linear | nn.Embedding):
+            blocks = _quantized(ckpt, name_map, f"{full}.weight")
+            if blocks is None or not isinstance(child, nn.Linear | nn.Embedding):
                 continue
             hf = name_map[f"{full}.weight"].name
             bias: Tensor | None = None
@@ -42,11 +43,28 @@ def place_quantized(model: nn.Module, ckpt: Checkpoint, name_map: NameMap) -> se
                 bias = ckpt.tensors[name_map[f"{full}.bias"].name]
                 done.add(f"{full}.bias")
             if hf not in built:
-                built[hf] = GroupLinear(groups, bias)
+                built[hf] = GroupLinear(blocks.read(), bias)  # one matrix's codes at a time
             table = built[hf]
             setattr(parent, name, table if isinstance(child, nn.Linear) else GroupEmbedding(table))
             done.add(f"{full}.weight")
-    for hf, groups in ckpt.quantized.items():
+    for hf, blocks in ckpt.quantized.items():
         if hf not in built:
-            ckpt.tensors[hf] = groups.dequantize()
+            ckpt.tensors[hf] = blocks.read().dequantize()
     return done
+
+
+def materialise(model: nn.Module) -> None:
+    """Give the tensors still on the meta device (a model built there, its quantised modules already real) CPU
+    storage, and recompute what modules derive rather than load (rotary tables) with their reset_parameters."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, GroupLinear):
+                continue
+            for name, param in list(module.named_parameters(recurse=False)):
+                if param.is_meta:
+                    setattr(module, name, nn.Parameter(torch.empty_like(param, device="cpu"), param.requires_grad))
+            for name, buffer in list(module.named_buffers(recurse=False)):
+                if buffer.is_meta:
+                    module._buffers[name] = torch.empty_like(buffer, device="cpu")
+            if type(module).__module__.startswith("qkv.") and hasattr(module, "reset_parameters"):
+                module.reset_parameters()  # type: ignore[operator]

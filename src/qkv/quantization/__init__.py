@@ -1,9 +1,9 @@
 """Weight formats for fast decoding: int8 per channel, GGUF's group-quantised blocks kept quantised, and input-major
 float32 matrices (qkv.quantization.linears, .ggml, .groups)."""
 
-from qkv.quantization.ggml import BLOCKS, Groups, read_blocks
+from qkv.quantization.ggml import BLOCKS, Blocks, Groups, read_blocks
 from qkv.quantization.groups import GroupEmbedding, GroupLinear, runs_natively
 from qkv.quantization.linears import InputMajorLinear, Int8Linear, input_major, quantize_int8, weight_bytes
 
-__all__ = ["BLOCKS", "GroupEmbedding", "GroupLinear", "Groups", "InputMajorLinear", "Int8Linear", "input_major",
-           "quantize_int8", "read_blocks", "runs_natively", "weight_bytes"]  # fmt: skip
+__all__ = ["BLOCKS", "Blocks", "GroupEmbedding", "GroupLinear", "Groups", "InputMajorLinear", "Int8Linear",
+           "input_major", "quantize_int8", "read_blocks", "runs_natively", "weight_bytes"]  # fmt: skip

@@ -29,6 +29,7 @@ from qkv.errors import QkvError
 # name: (weights per block, bytes per block)
 BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q4_K": (256, 144),
           "Q6_K": (256, 210)}  # fmt: skip
+GROUPS = {"Q6_K": (16, 6), "Q8_0": (32, 8), "Q5_0": (32, 5)}  # name: (group, bits) where not (32, 4)
 
 
 @dataclass
@@ -50,6 +51,31 @@ class Groups:
     def rows(self, index: Tensor) -> Groups:
         """The groups of these rows (llama.cpp's converter permutes q/k rows; qkv puts them back)."""
         return Groups(self.codes[index], self.scale[index], self.minimum[index], self.group, self.bits)
+
+
+@dataclass
+class Blocks:
+    """A matrix in a GGUF block format as the file holds it, read into Groups only when used (one at a time)."""
+
+    kind: str
+    raw: Tensor  # uint8, the file's bytes (a view of the mapped file)
+    shape: tuple[int, int]  # (N, K)
+    rows: Tensor | None = None  # an order of the rows to read them in (llama.cpp permutes q/k rows)
+
+    @property
+    def group(self) -> int:
+        """Weights per scale."""
+        return GROUPS.get(self.kind, (32, 4))[0]
+
+    @property
+    def bits(self) -> int:
+        """Bits per code."""
+        return GROUPS.get(self.kind, (32, 4))[1]
+
+    def read(self) -> Groups:
+        """The codes, scales and minimums."""
+        groups = read_blocks(self.kind, self.raw, self.shape)
+        return groups if self.rows is None else groups.rows(self.rows)
 
 
 def _half(raw: Tensor, at: int) -> Tensor:
@@ -129,5 +155,5 @@ def read_blocks(kind: str, raw: Tensor, shape: tuple[int, int]) -> Groups:
     if not (torch.isfinite(scale).all() and torch.isfinite(minimum).all()):
         raise QkvError(f"a {kind} tensor of shape {n} × {k} has a block whose scale is not a finite number: "
                        f"the file is damaged")  # fmt: skip
-    group, bits = {"Q6_K": (16, 6), "Q8_0": (32, 8), "Q5_0": (32, 5)}.get(kind, (32, 4))
+    group, bits = GROUPS.get(kind, (32, 4))
     return Groups(codes.contiguous(), scale.contiguous(), minimum.contiguous(), group, bits)

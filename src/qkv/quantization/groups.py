@@ -32,10 +32,11 @@ KERNEL_GROUPS = (32, 64, 128, 256)  # the group sizes the int4 kernel takes
 _SLOTS: dict[tuple[int, int], Tensor] = {}  # (K, rows packed together) → where each weight sits among the nibbles
 
 
-def runs_natively(groups: Groups) -> bool:
-    """Whether GroupLinear can hold these groups: a kernel group size, ≤ 8-bit codes and N a multiple of 16."""
-    n, k = groups.codes.shape
-    return groups.group in KERNEL_GROUPS and groups.bits <= 8 and n % 16 == 0 and k % groups.group == 0
+def runs_natively(shape: tuple[int, int], group: int, bits: int) -> bool:
+    """Whether GroupLinear can hold an (N, K) matrix of such groups: a kernel group size, ≤ 8-bit codes, N a
+    multiple of 16."""
+    n, k = shape
+    return group in KERNEL_GROUPS and bits <= 8 and n % 16 == 0 and k % group == 0
 
 
 def _pack(codes: Tensor) -> Tensor:
@@ -60,20 +61,21 @@ def _slots(k: int, block: int) -> Tensor:
 
 def _unpack(packed: Tensor, rows: Tensor) -> Tensor:
     """The 4-bit codes of these rows, (R, K), from the kernel's packed layout (N, K / 2): blocks of 64 rows, then
-    one block of the rest."""
+    one block of the rest. Branch-free in the rows, so that a compiled step traces it whole."""
     n, k = packed.shape[0], packed.shape[1] * 2
-    out = torch.empty(rows.numel(), k, dtype=torch.uint8, device=packed.device)
-    start = 0
-    for block in (64, n % 64):
-        end = start + (n - start) // block * block if block else start
-        chosen = (rows >= start) & (rows < end)
-        if chosen.any():
-            r = rows[chosen] - start
-            blocks = packed[start:end].reshape(-1, block * k // 2)[r // block]  # (R', block · K / 2)
-            nibbles = torch.stack([blocks & 0xF, blocks >> 4], dim=-1).flatten(1)  # (R', block · K)
-            out[chosen] = nibbles.gather(1, _slots(k, block).to(rows.device)[r % block])
-        start = end
-    return out
+    full = n // 64 * 64
+
+    def codes(start: int, block: int, count: int) -> Tensor:
+        r = (rows - start).clamp(0, count - 1)  # rows outside these blocks read a row of theirs, then are dropped
+        blocks = packed[start : start + count].reshape(-1, block * k // 2)[r // block]  # (R, block · K / 2)
+        nibbles = torch.stack([blocks & 0xF, blocks >> 4], dim=-1).flatten(1)  # (R, block · K)
+        return nibbles.gather(1, _slots(k, block).to(rows.device)[r % block])
+
+    if full == n:
+        return codes(0, 64, n)
+    if full == 0:
+        return codes(0, n, n)
+    return torch.where((rows < full)[:, None], codes(0, 64, full), codes(full, n - full, n - full))
 
 
 class GroupLinear(nn.Module):
@@ -84,7 +86,7 @@ class GroupLinear(nn.Module):
 
     def __init__(self, groups: Groups, bias: Tensor | None = None) -> None:
         super().__init__()
-        if not runs_natively(groups):
+        if not runs_natively((groups.codes.shape[0], groups.codes.shape[1]), groups.group, groups.bits):
             raise QkvError(f"group-quantised weights of shape {tuple(groups.codes.shape)}, {groups.bits}-bit codes "
                            f"in groups of {groups.group}, have no int4 kernel; pass --dtype float32")  # fmt: skip
         self.out_features, self.in_features = groups.codes.shape
