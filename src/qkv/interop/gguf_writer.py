@@ -28,7 +28,7 @@ from qkv.io.files import atomic_path
 from qkv.models import DecoderLM, DecoderLMConfig
 from qkv.tokenizers import ByteBPETokenizer
 
-DTYPES = ("float32", "float16")
+DTYPES = ("float32", "float16", "q8_0", "q4_0", "q4_1")  # the last three: llama.cpp's blocks of 32 weights
 # llama.cpp pre-tokenizer names qkv can vouch for: each splits text with GPT-2's regex, digit by digit or not.
 _PRE = {False: (_GPT2_PRE,), True: _DIGIT_SPLIT_PRE}
 # HF config.json key → the tokenizer.ggml.* key llama.cpp reads the id from.
@@ -112,8 +112,10 @@ def save_gguf(
 ) -> Path:
     """Write a Llama-shaped DecoderLM and its tokenizer as one GGUF file that llama.cpp loads; returns the path.
 
-    dtype: "float32" or "float16" for the matrices (norms stay fp32). pre: llama.cpp's pre-tokenizer name
-    ("gpt-2", or "smollm" and the like for tokenizers that split digits); None infers it from the tokenizer.
+    dtype: "float32" or "float16" for the matrices (norms stay fp32), or q8_0, q4_0, q4_1: llama.cpp's block
+    formats, quantised by gguf-py (matrices whose width is not a multiple of 32 stay float32).
+    pre: llama.cpp's pre-tokenizer name ("gpt-2", or "smollm" and the like for tokenizers that split digits); None
+    infers it from the tokenizer.
     token_ids: bos_token_id / eos_token_id / unk_token_id / pad_token_id (None: not given), as config.json
     names them; eos defaults to the tokenizer's, bos to eos (GPT-2's convention: <|endoftext|> starts and
     ends a text), unk and pad to none.
@@ -135,7 +137,11 @@ def save_gguf(
         _add_metadata(writer, model.cfg, dtype, name)
         _add_tokenizer(writer, tokenizer, model.embed.vocab_size, pre_name, ids, chat_template)
         for hf_name, array in _tensors(model, dtype):
-            writer.add_tensor(_gguf_name(hf_name), array)
+            kind = gguf.GGMLQuantizationType[dtype.upper()] if dtype.startswith("q") and array.ndim > 1 else None
+            if kind is not None and array.shape[-1] % 32 == 0:
+                writer.add_tensor(_gguf_name(hf_name), gguf.quants.quantize(array, kind), raw_dtype=kind)
+            else:
+                writer.add_tensor(_gguf_name(hf_name), array)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -176,8 +182,8 @@ def _add_metadata(writer: Any, cfg: DecoderLMConfig, dtype: str, name: str) -> N
     writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
     writer.add_rope_dimension_count(hf["head_dim"])
     writer.add_vocab_size(hf["vocab_size"])
-    f16 = dtype == "float16"
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if f16 else gguf.LlamaFileType.ALL_F32)
+    file_type = {"float16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0", "q4_1": "MOSTLY_Q4_1"}
+    writer.add_file_type(getattr(gguf.LlamaFileType, file_type.get(dtype, "ALL_F32")))
 
 
 def _add_tokenizer(writer: Any, tokenizer: ByteBPETokenizer, vocab_size: int, pre_name: str, ids: dict[str, int],

@@ -104,6 +104,18 @@ class GroupLinear(nn.Module):
         self.register_buffer("scales_zeros", torch.stack(sz).to(torch.bfloat16).contiguous().view(torch.int16))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: int = 32) -> GroupLinear:
+        """Round a float Linear's weight to 4-bit codes, each group of `group` inputs with its own scale and minimum
+        (asymmetric, as GGUF's Q4_1): w ≈ code · (max − min) / 15 + min."""
+        w = linear.weight.detach().float()
+        n, k = w.shape
+        blocks = w.view(n, k // group, group)  # (N, K / g, g)
+        low, high = blocks.amin(-1), blocks.amax(-1)  # (N, K / g)
+        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        codes = torch.round((blocks - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+        return cls(Groups(codes.view(n, k), scale, low, group, 4), linear.bias)
+
     def rows(self, index: Tensor) -> Tensor:
         """Rows of the weight matrix as the kernel sees them, float32 (…, K): a tied embedding's lookup."""
         flat = index.reshape(-1)

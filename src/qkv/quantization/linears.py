@@ -1,4 +1,4 @@
-"""Weight formats for fast decoding: int8 weight-only quantisation, and input-major float32 matrices.
+"""Weight formats for fast decoding: int8 and int4 weight-only quantisation, and input-major float32 matrices.
 
 Decoding one token at a time is bound by memory: each step reads every weight matrix once, and multiplies it by
 a single vector. Two ways to read them faster, both applied to a trained model for inference only:
@@ -20,6 +20,10 @@ the other way, as Wᵀ (in, out) row by row (benchmarks/decode.py measures it; d
 With bfloat16 weights or several sequences the usual layout is as fast or faster. A tied head gets a transposed
 copy, which costs the head's size in memory once more.
 
+**int4 weights** (`quantize_int4`, `qkv generate --quantize int4 --group-size G`): each group of G inputs of a row gets
+its own scale and minimum (GGUF's Q4_1 form), and qkv.quantization.groups.GroupLinear multiplies the 4-bit codes with
+PyTorch's int4 CPU kernel: about an eighth of float32's bytes, with a larger rounding error than int8's.
+
 Linears whose matrix their module reads directly (named in its `float_linears`: MLA's kv_up, which weight
 absorption slices per head, and the MoE router) keep their nn.Linear in both.
 """
@@ -31,6 +35,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from qkv.quantization.groups import GroupLinear, runs_natively
 
 
 class Int8Linear(nn.Module):
@@ -92,6 +98,16 @@ def quantize_int8(model: nn.Module) -> nn.Module:
     return _replace_linears(model, Int8Linear.from_linear)
 
 
+def quantize_int4(model: nn.Module, group: int = 32) -> nn.Module:
+    """Replace every nn.Linear of model (in place) by a 4-bit GroupLinear with a scale and minimum per `group` inputs,
+    where the int4 kernel takes its shape (else it stays float); returns the model, for inference only."""
+    def make(linear: nn.Linear) -> nn.Module:
+        fits = runs_natively((linear.out_features, linear.in_features), group, 4)
+        return GroupLinear.from_linear(linear, group) if fits else linear
+
+    return _replace_linears(model, make)
+
+
 class InputMajorLinear(nn.Module):
     """A Linear layer whose float weight is stored transposed, (in_features, out_features), for inference."""
 
@@ -122,7 +138,9 @@ def weight_bytes(model: nn.Module) -> int:
     """Bytes of the matrices a decode step multiplies by (Linear weights, float or int8, and their scales)."""
     total = 0
     for m in model.modules():
-        if isinstance(m, Int8Linear):
+        if isinstance(m, GroupLinear):
+            total += m.weight_bytes()
+        elif isinstance(m, Int8Linear):
             total += m.weight_int8.numel() + m.scales.numel() * m.scales.element_size()
         elif isinstance(m, nn.Linear):
             total += m.weight.numel() * m.weight.element_size()
