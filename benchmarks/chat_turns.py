@@ -43,7 +43,7 @@ def converse(session: ChatSession, questions: list[str]) -> list[dict[str, Any]]
     """Each turn's prompt length, tokens read before the first reply token, time to it, and the reply."""
     rows: list[dict[str, Any]] = []
     reads: list[int] = []
-    handle = session.model.register_forward_pre_hook(lambda _, args: reads.append(args[0].shape[1]))
+    handle = session.model.embed.register_forward_pre_hook(lambda _, args: reads.append(args[0].shape[1]))  # ids
     try:
         for question in questions:
             reads.clear()
