@@ -119,11 +119,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_table", sin, persistent=False)
 
     def _tables(self) -> tuple[Tensor, Tensor]:
-        """(cos, sin), each (max_len, head_dim), computed in float64 and stored in float32."""
-        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))
-        angles = torch.arange(self.max_len, dtype=torch.float64)[:, None] * inv_freq  # (L, D/2)
+        """(cos, sin), each (max_len, head_dim), computed in float64 on the CPU and stored in float32 on the default
+        device (on the meta device, arithmetic would import torch's compiler)."""
+        dims = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device="cpu")
+        inv_freq = 1.0 / (self.base ** (dims / self.head_dim))  # (D/2,)
+        angles = torch.arange(self.max_len, dtype=torch.float64, device="cpu")[:, None] * inv_freq  # (L, D/2)
         angles = torch.cat([angles, angles], dim=-1)  # (L, D): both halves share a frequency
-        return angles.cos().float(), angles.sin().float()
+        device = torch.get_default_device()
+        return angles.cos().float().to(device), angles.sin().float().to(device)
 
     def reset_parameters(self) -> None:
         """Recompute the tables in place (what materialises a model built on the meta device)."""

@@ -30,7 +30,7 @@ from qkv.interop.hf_io import (
     write_tokenizer,
 )
 from qkv.interop.marian_tokenizer import MarianTokenizer, is_marian_tokenizer_dir
-from qkv.interop.quantized import materialise, place_quantized
+from qkv.interop.quantized import materialise, place_quantized, skipped_init
 from qkv.io.files import atomic_write_json, load_json
 from qkv.io.memory import release_freed_memory
 from qkv.models import DecoderLM, QkvConfig, QkvModel, Transformer, build_model, model_type_of
@@ -69,7 +69,7 @@ def from_hf(source: str | Path | Checkpoint, native: bool = False) -> QkvModel:
         model = build_model(cfg)
         load_mapped(model, ckpt, family, family.name_map(cfg))
         return model.eval()
-    with torch.device("meta"):  # no float copy of the matrices that stay quantised, not even for a moment
+    with torch.device("meta"), skipped_init():  # no float copy of the matrices that stay quantised, not even briefly
         model = build_model(cfg)
     name_map = family.name_map(cfg)
     done = place_quantized(model, ckpt, name_map)

@@ -3,6 +3,9 @@ token table, both over the file's own codes (qkv.quantization)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor, nn
 
@@ -68,3 +71,21 @@ def materialise(model: nn.Module) -> None:
                     module._buffers[name] = torch.empty_like(buffer, device="cpu")
             if type(module).__module__.startswith("qkv.") and hasattr(module, "reset_parameters"):
                 module.reset_parameters()  # type: ignore[operator]
+
+
+_INITS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_", "xavier_normal_", "zeros_",
+          "ones_", "constant_")  # fmt: skip
+
+
+@contextlib.contextmanager
+def skipped_init() -> Iterator[None]:
+    """Modules built inside draw no initial values (their weights come from the checkpoint): on the meta device
+    torch.nn.init's random draws would import torch's compiler, tens of MB that loading a model has no use for."""
+    saved = {name: getattr(nn.init, name) for name in _INITS}
+    for name in _INITS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
