@@ -424,14 +424,17 @@ def test_generate_output_is_identical_without_the_cache(
 
 @pytest.mark.parametrize(("option", "value", "seen"), [("--dtype", "bfloat16", {"bfloat16"}),
                                                      ("--quantize", "int8", {"Int8Linear"}),
+                                                     ("--quantize", "int4", {"GroupLinear", "Linear"}),
                                                      ("--dtype", "float32", {"InputMajorLinear"})])  # fmt: skip
 def test_generate_decodes_a_bfloat16_or_int8_model(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, char_run: Path, option: str, value: str,
     seen: set[str],
 ) -> None:  # fmt: skip
     """`qkv generate --dtype bfloat16` hands generation a bfloat16 model, `--quantize int8` one whose Linears are all
-    int8, and float32 one with input-major matrices; each prints a full sample; an unknown choice is one line."""
-    from qkv.quantization import InputMajorLinear, Int8Linear
+    int8, `--quantize int4` one whose Linears are 4-bit where the kernel takes their shape (the 78-row head is no
+    multiple of 16), and float32 one with input-major matrices; each prints a full sample; an unknown choice is one
+    line."""
+    from qkv.quantization import GroupLinear, InputMajorLinear, Int8Linear
 
     models: list[torch.nn.Module] = []
     real_stream = qkv.generation.stream
@@ -449,10 +452,10 @@ def test_generate_decodes_a_bfloat16_or_int8_model(
     if value == "bfloat16":
         assert {str(p.dtype).removeprefix("torch.") for p in model.parameters()} == seen
     else:  # int8, or one float32 sequence on the CPU: input-major matrices
-        kinds = (torch.nn.Linear, Int8Linear, InputMajorLinear)
+        kinds = (torch.nn.Linear, Int8Linear, InputMajorLinear, GroupLinear)
         assert {type(m).__name__ for m in model.modules() if isinstance(m, kinds)} == seen
-    code, _, err = run_main(capsys, "generate", str(char_run), option, "int4")
-    assert code == 2 and "invalid choice: 'int4'" in err and "Traceback" not in err
+    code, _, err = run_main(capsys, "generate", str(char_run), option, "int3")
+    assert code == 2 and "invalid choice: 'int3'" in err and "Traceback" not in err
 
 
 _WORDS = ["▁the", "▁king", "s", "▁é", "!", "\n"]  # a SentencePiece-like vocabulary: "▁" is a leading space
