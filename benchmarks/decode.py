@@ -269,12 +269,13 @@ def print_table(report: dict[str, Any]) -> None:
 def measure_model(path: str, prompt_len: int, new_tokens: int, compiled: bool) -> dict[str, float]:
     """One model as `qkv generate` runs it: prefill and decode tok/s, time to first token, peak memory."""
     from qkv.bench import status_bytes
+    from qkv.cli.runs import native_gguf
     from qkv.evals.bpb import default_text
     from qkv.generation import GREEDY, compiled_step, stream
     from qkv.quantization import weight_bytes
     from qkv.tasks import load
 
-    native = path.lower().endswith(".gguf")  # on the CPU, as `qkv generate` does
+    native = native_gguf(path, torch.device("cpu"))  # as `qkv generate` decides it
     begin = time.perf_counter()
     run = load(path, device="cpu", expect="lm", native=native)
     loaded = time.perf_counter() - begin

@@ -31,8 +31,8 @@ from qkv.interop.hf_io import (
 )
 from qkv.interop.marian_tokenizer import MarianTokenizer, is_marian_tokenizer_dir
 from qkv.interop.quantized import materialise, place_quantized, skipped_init
+from qkv.io.devices import release_freed_memory
 from qkv.io.files import atomic_write_json, load_json
-from qkv.io.memory import release_freed_memory
 from qkv.models import DecoderLM, QkvConfig, QkvModel, Transformer, build_model, model_type_of
 from qkv.tokenizers import ByteBPETokenizer, Tokenizer
 

@@ -260,13 +260,12 @@ def _find(tensors: Collection[str], name: str, aliases: tuple[tuple[str, str], .
 
 def load_mapped(model: nn.Module, ckpt: Checkpoint, family: Family, name_map: NameMap,
                 done: Collection[str] = ()) -> None:  # fmt: skip
-    """Fill every tensor of `model` from the checkpoint, naming any missing or mis-shaped tensor (done: the qkv
-    names already filled, by quantised modules; their own buffers are theirs)."""
+    """Fill every tensor of `model` from the checkpoint, naming any missing or mis-shaped tensor (done: the names
+    of tensors already filled, by quantised modules)."""
     state: dict[str, Tensor] = {}
-    used = {name_map[n].name for n in done}
-    owned = {n.rsplit(".", 1)[0] for n in done}
+    used: set[str] = set()
     for qkv_name, target in model.state_dict().items():
-        if qkv_name in done or qkv_name.rsplit(".", 1)[0] in owned or qkv_name.rsplit(".", 2)[0] in owned:
+        if qkv_name in done:
             continue
         ref = name_map.get(qkv_name)
         if ref is None:  # a family's map must cover its model: this is a bug in qkv, not in the checkpoint

@@ -27,7 +27,8 @@ def _quantized(ckpt: Checkpoint, name_map: NameMap, qkv_name: str) -> Blocks | N
 
 
 def place_quantized(model: nn.Module, ckpt: Checkpoint, name_map: NameMap) -> set[str]:
-    """Swap in quantised modules where the checkpoint kept a matrix quantised; their qkv tensor names (done).
+    """Swap in quantised modules where the checkpoint kept a matrix quantised; returns the names their tensors have in
+    the model's state (filled: load_mapped skips them). A bias they took leaves the checkpoint's float tensors.
 
     A matrix with no kernel (Q6_K's groups of 16, a row count that is not a multiple of 16) is dequantised into
     the checkpoint's float tensors instead, for load_mapped to read.
@@ -43,13 +44,13 @@ def place_quantized(model: nn.Module, ckpt: Checkpoint, name_map: NameMap) -> se
             hf = name_map[f"{full}.weight"].name
             bias: Tensor | None = None
             if isinstance(child, nn.Linear) and child.bias is not None:
-                bias = ckpt.tensors[name_map[f"{full}.bias"].name]
-                done.add(f"{full}.bias")
+                bias = ckpt.tensors.pop(name_map[f"{full}.bias"].name)
             if hf not in built:
                 built[hf] = GroupLinear(blocks.read(), bias)  # one matrix's codes at a time
             table = built[hf]
-            setattr(parent, name, table if isinstance(child, nn.Linear) else GroupEmbedding(table))
-            done.add(f"{full}.weight")
+            module = table if isinstance(child, nn.Linear) else GroupEmbedding(table)
+            setattr(parent, name, module)
+            done.update(module.state_dict(prefix=f"{full}."))
     for hf, blocks in ckpt.quantized.items():
         if hf not in built:
             ckpt.tensors[hf] = blocks.read().dequantize()

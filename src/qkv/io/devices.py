@@ -134,6 +134,14 @@ def map_first_allocations(enabled: bool) -> Iterator[None]:
         libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
 
 
+def release_freed_memory() -> None:
+    """Return the heap pages that freed scratch left behind to the OS (glibc keeps them, all the more under
+    keep_freed_memory): after a load that decoded a file piece by piece, the resident size is then what it holds."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def out_of_memory(error: BaseException) -> str | None:
     """For an allocation that failed (CUDA's or MPS's, the CPU allocator's, numpy's): how much it asked for, in
     words ("" when the message does not say); None for any other error."""
