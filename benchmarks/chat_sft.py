@@ -49,21 +49,32 @@ def write_conversations(path: Path, count: int) -> None:
             f.write(json.dumps({"messages": messages}, ensure_ascii=False) + "\n")
 
 
-def translate_chat(model: Any, tokenizer: Any, template: Any, sources: list[str]) -> tuple[list[str], float]:
-    """Greedy replies to each verse's prompt (a fresh conversation each), and the seconds they took."""
+def translate_chat(model: Any, tokenizer: Any, template: Any, sources: list[str], batch: int = 32
+                   ) -> tuple[list[str], float]:  # fmt: skip
+    """Greedy replies to each verse's prompt (a fresh conversation each), and the seconds they took: `batch` at a
+    time through qkv.engine, or (batch 1) one after another in a ChatSession, as `qkv chat` replies."""
     from qkv.chat import ChatSession
+    from qkv.chat.session import stop_ids
+    from qkv.engine import Engine, Request
     from qkv.generation import GREEDY
-    from qkv.quantization import input_major
 
-    input_major(model)  # as `qkv generate` and `qkv chat` decode one float32 sequence on the CPU
-    began, out = time.perf_counter(), []
-    for i, de in enumerate(sources):
-        session = ChatSession(model, tokenizer, template, GREEDY, max_new_tokens=MAX_NEW_TOKENS)
-        tokens, _ = session.say(PROMPT + de)
-        out.append(tokenizer.decode(list(tokens)).strip())
-        print(f"\r  {i + 1}/{len(sources)} verses", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
-    return out, time.perf_counter() - began
+    began = time.perf_counter()
+    if batch == 1:
+        out = []
+        for i, de in enumerate(sources):
+            session = ChatSession(model, tokenizer, template, GREEDY, max_new_tokens=MAX_NEW_TOKENS)
+            tokens, _ = session.say(PROMPT + de)
+            out.append(tokenizer.decode(list(tokens)).strip())
+            print(f"\r  {i + 1}/{len(sources)} verses", end="", file=sys.stderr, flush=True)
+        print(file=sys.stderr)
+        return out, time.perf_counter() - began
+    stops = frozenset(stop_ids(tokenizer))
+    requests = [Request(tokenizer.encode(template.render([{"role": "user", "content": PROMPT + de}],
+                                                         add_generation_prompt=True)), MAX_NEW_TOKENS, GREEDY,
+                        stops) for de in sources]  # fmt: skip
+    engine = Engine(model, tokenizer, max_batch=batch, kv_cache_tokens=batch * 512, reuse_prompts=False)
+    replies = engine.generate(requests)
+    return [tokenizer.decode([t.id for t in tokens]).strip() for tokens, _ in replies], time.perf_counter() - began
 
 
 def scores(hyps: list[str], refs: list[str]) -> dict[str, float]:
@@ -82,6 +93,9 @@ def main() -> None:
     p.add_argument("--train-args", default="--lora-rank 8 --lr 5e-4 --batch-size 8 --max-steps 140 "
                    "--eval-interval 70 --eval-tokens 4096 --max-time 600", help="qkv train's settings")
     p.add_argument("--skip-train", action="store_true", help="reuse OUT/run")
+    p.add_argument("--batch", type=int, default=32, help="verses decoded at once (1: one after another)")
+    p.add_argument("--compare-batching", action="store_true",
+                   help="also decode the untuned model's verses one at a time: the speed-up, and equal replies")
     p.add_argument("--json", default=None, help="results file (default OUT/chat_sft.json)")
     args = p.parse_args()
     from qkv.chat import ChatTemplate
@@ -106,8 +120,16 @@ def main() -> None:
     base = load_base(gguf)
     template = ChatTemplate.of(base.reference["metadata"]["chat_template"], base.tokenizer)
     if "before" not in results:
-        hyps, seconds = translate_chat(base.model.eval(), base.tokenizer, template, sources)
-        save("before", {**scores(hyps, refs), "decode_s": round(seconds, 1), "hyps": hyps})
+        hyps, seconds = translate_chat(base.model.eval(), base.tokenizer, template, sources, args.batch)
+        save("before", {**scores(hyps, refs), "decode_s": round(seconds, 1), "batch": args.batch, "hyps": hyps})
+    if args.compare_batching:
+        alone, seconds = translate_chat(base.model.eval(), base.tokenizer, template, sources, 1)
+        differ = [i for i, (a, b) in enumerate(zip(alone, results["before"]["hyps"], strict=True)) if a != b]
+        save("batching", {"one_at_a_time_s": round(seconds, 1), "batched_s": results["before"]["decode_s"],
+                          "speedup": round(seconds / results["before"]["decode_s"], 2), "differ": differ,
+                          "one_at_a_time_hyps": alone})  # fmt: skip
+        print(f"one at a time {seconds:.0f} s, {args.batch} at a time {results['before']['decode_s']:.0f} s: "
+              f"{seconds / results['before']['decode_s']:.1f}×; {len(differ)} of {len(alone)} replies differ")
     run = out / "run"
     if not args.skip_train:
         cmd = ["qkv", "train", "--init-from", str(gguf), "--data", str(data), "--out-dir", str(run),
@@ -119,8 +141,8 @@ def main() -> None:
                        "loop_s": metrics[-1].get("elapsed_s"), "steps": metrics[-1].get("step"),
                        "val_loss": [m.get("val_loss") for m in metrics if "val_loss" in m]})  # fmt: skip
     tuned = load(run)
-    hyps, seconds = translate_chat(tuned.model, tuned.require_tokenizer(), template, sources)
-    save("after", {**scores(hyps, refs), "decode_s": round(seconds, 1), "hyps": hyps})
+    hyps, seconds = translate_chat(tuned.model.eval(), tuned.require_tokenizer(), template, sources, args.batch)
+    save("after", {**scores(hyps, refs), "decode_s": round(seconds, 1), "batch": args.batch, "hyps": hyps})
     if args.translator:
         src_file = out / "test_de.txt"
         src_file.write_text("\n".join(sources) + "\n", encoding="utf-8")

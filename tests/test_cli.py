@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 import qkv
 import qkv.generation
 from qkv.cli import main
-from qkv.cli.runs import TextStream
+from qkv.tokenizers.stream import TextStream
 from qkv.data import load_shakespeare
 from qkv.data.cache import open_text
 from qkv.errors import QkvError

@@ -24,8 +24,9 @@ from qkv.attention import record_attention
 from qkv.errors import QkvError
 from qkv.explore import model_panel, panels
 from qkv.explore.library import RequestError, RunLibrary
-from qkv.explore.server import HostCheck, allowed_hosts, parse_host
+from qkv.explore.server import HostCheck, allowed_hosts
 from qkv.generation import Sampling
+from qkv.io.sockets import parse_host
 from qkv.lab.walkthrough import CLASSIC, builtin_example, walkthrough
 from qkv.tasks import load
 

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 import qkv
-from qkv.cli import bench, chat, convert, explore, interpret, lab, prepare, runs, train
+from qkv.cli import bench, chat, convert, explore, interpret, lab, prepare, runs, serve, train
 from qkv.cli.common import Parser, key_value
 from qkv.errors import QkvError
 
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="qkv", description="qkv — the Transformer, complete.")
     parser.add_argument("--version", action="version", version=f"qkv {qkv.__version__} (torch {torch_version()})")
     sub = parser.add_subparsers(dest="command", parser_class=Parser)
-    commands = (train, prepare, runs, chat, convert, lab, interpret, explore, bench)
+    commands = (train, prepare, runs, chat, serve, convert, lab, interpret, explore, bench)
     for command in commands:
         command.register(sub)
     return parser

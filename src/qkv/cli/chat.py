@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from qkv.cli.common import MODEL_HELP
-from qkv.cli.runs import TextStream, compile_option, native_gguf, run_options, sampling_options
+from qkv.cli.runs import compile_option, native_gguf, run_options, sampling_options
 from qkv.errors import QkvError
 
 HELP = "/system TEXT sets the system message, /reset clears the history, Ctrl-C stops a reply, Ctrl-D leaves"
@@ -74,6 +74,8 @@ def _reply(session: Any, text: str) -> None:
     if dropped:
         print(f"(the {dropped} oldest exchange{'s' if dropped > 1 else ''} no longer fit the model's "
               f"{session.model.cfg.context_length}-token context and {'were' if dropped > 1 else 'was'} dropped)")
+    from qkv.tokenizers.stream import TextStream
+
     shown = TextStream(session.tokenizer.decode, [])
     sys.stdout.write("model> ")
     try:

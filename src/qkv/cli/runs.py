@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -164,6 +163,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     steps = stream(run.model, ids, args.max_new_tokens, sampling, tokenizer.eos_id, not args.no_cache,
                    compiled=args.compile)  # fmt: skip
     texts: list[list[int]] = [[] for _ in range(args.num_samples)]
+    from qkv.tokenizers.stream import TextStream
+
     streamed = TextStream(tokenizer.decode, prompt_ids.tolist())  # sample 1, when it is the only one
     if args.num_samples == 1:
         sys.stdout.write(args.prompt)
@@ -200,37 +201,6 @@ def compile_note(model: Any) -> str:
     if took is None:
         return "(--compile: no token was decoded after the prompt, so nothing was compiled)"
     return f"(--compile: the decode step's first call took {took:.1f} s, compiling or reading Inductor's cache)"
-
-
-class TextStream:
-    """Text of a growing token sequence, piece by piece, decoding only the newest tokens (not O(T²))."""
-
-    def __init__(self, decode: Callable[[list[int]], str], context: list[int]) -> None:
-        self._decode = decode
-        self._tail = context[-4:]  # a few printed tokens: SentencePiece-style decoders need the left context
-        self._pending: list[int] = []  # tokens not printed yet
-
-    def push(self, token: int) -> str:
-        """Text that `token` completes ('' while a multi-byte character or a rewrite is incomplete)."""
-        self._pending.append(token)
-        return self._flush(final=False)
-
-    def end(self) -> str:
-        """Whatever is left, printed as is."""
-        return self._flush(final=True)
-
-    def _flush(self, final: bool) -> str:
-        before, after = self._decode(self._tail), self._decode(self._tail + self._pending)
-        if after.endswith("\ufffd") and not final:  # wait for the rest of the character
-            return ""
-        # A decoder that rewrites text it already printed (e.g. cleaning up spaces) cannot be undone on a
-        # terminal: print what differs from the common prefix and go on.
-        common = next(
-            (i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b), min(len(before), len(after))
-        )
-        piece = after[common:]
-        self._tail, self._pending = (self._tail + self._pending)[-4:], []
-        return piece
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

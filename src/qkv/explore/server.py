@@ -10,7 +10,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
-import socket
 import sys
 import threading
 import webbrowser
@@ -30,6 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from qkv.errors import QkvError
 from qkv.explore.body import Body
 from qkv.explore.library import RequestError, RunLibrary
+from qkv.io.sockets import bind_socket, parse_host
 
 STATIC = Path(__file__).parent / "static"
 MAX_BODY = 1 << 20  # bytes: the largest request the page sends is a table of numbers
@@ -177,29 +177,6 @@ def create_app(library: RunLibrary) -> Starlette:
         ],
         exception_handlers={QkvError: _on_qkv_error, HTTPException: _on_http_error},
     )
-
-
-def parse_host(host: str) -> str:
-    """--host as a bare IP address ("localhost" is 127.0.0.1; [::1] loses its brackets), or a one-line error."""
-    host = "127.0.0.1" if host.lower() == "localhost" else host.strip().removeprefix("[").removesuffix("]")
-    try:
-        return str(ipaddress.ip_address(host))
-    except ValueError:
-        raise QkvError(f"--host must be an IP address such as 127.0.0.1 or 0.0.0.0, got {host!r}") from None
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (port 0: any free port), or a one-line error."""
-    family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as err:
-        sock.close()
-        raise QkvError(f"cannot listen on {host}:{port} ({err.strerror}); choose another --port") from None
-    sock.listen(128)
-    return sock
 
 
 def serve(library: RunLibrary, host: str = "127.0.0.1", port: int = 0, open_browser: bool = True) -> None:

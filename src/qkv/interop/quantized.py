@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from qkv.interop.checkpoint import Checkpoint
 from qkv.interop.hf_io import NameMap, Ref
-from qkv.quantization import Blocks, GroupEmbedding, GroupLinear, runs_natively
+from qkv.quantization import Blocks, GroupEmbedding, GroupLinear, exact_head, runs_natively
 
 
 def _plain(ref: Ref) -> bool:
@@ -54,6 +54,7 @@ def place_quantized(model: nn.Module, ckpt: Checkpoint, name_map: NameMap) -> se
     for hf, blocks in ckpt.quantized.items():
         if hf not in built:
             ckpt.tensors[hf] = blocks.read().dequantize()
+    exact_head(model)
     return done
 
 

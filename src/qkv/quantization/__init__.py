@@ -2,7 +2,7 @@
 float32 matrices (qkv.quantization.linears, .ggml, .groups)."""
 
 from qkv.quantization.ggml import BLOCKS, Blocks, Groups, read_blocks
-from qkv.quantization.groups import GroupEmbedding, GroupLinear, runs_natively
+from qkv.quantization.groups import GroupEmbedding, GroupLinear, exact_head, runs_natively
 from qkv.quantization.linears import (
     InputMajorLinear,
     Int8Linear,
@@ -13,4 +13,4 @@ from qkv.quantization.linears import (
 )
 
 __all__ = ["BLOCKS", "Blocks", "GroupEmbedding", "GroupLinear", "Groups", "InputMajorLinear", "Int8Linear",
-           "input_major", "quantize_int4", "quantize_int8", "read_blocks", "runs_natively", "weight_bytes"]  # fmt: skip
+           "exact_head", "input_major", "quantize_int4", "quantize_int8", "read_blocks", "runs_natively", "weight_bytes"]  # fmt: skip

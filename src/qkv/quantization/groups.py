@@ -83,6 +83,7 @@ class GroupLinear(nn.Module):
 
     planes: Tensor
     scales_zeros: Tensor
+    exact_top = False  # the model's head: each row's largest outputs are recomputed in float32 (see _exact_top)
 
     def __init__(self, groups: Groups, bias: Tensor | None = None) -> None:
         super().__init__()
@@ -137,12 +138,26 @@ class GroupLinear(nn.Module):
             xb = flat.to(torch.bfloat16).contiguous()
             y = sum(torch.ops.aten._weight_int4pack_mm_for_cpu(xb, p, self.group, sz)
                     for p, sz in zip(self.planes, self.scales_zeros.view(torch.bfloat16), strict=True))  # fmt: skip
+            y = self._exact_top(xb, y.float()) if self.exact_top else y
             y = y.to(x.dtype)
         else:
             y = F.linear(flat, self.dequantize().to(x.dtype))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _exact_top(self, xb: Tensor, y: Tensor) -> Tensor:
+        """y (M, N) with every output within 2 bfloat16 steps of its row's largest recomputed in float32.
+
+        The kernel returns bfloat16, whose 8 significant bits make a head's top logits tie exactly (a gap of 0 at
+        logits near 20 is common), and greedy decoding then picks by rounding. An output more than 2 steps below
+        its row's largest cannot be the largest in float32, so recomputing the few near the top (their rows of W,
+        exactly as the kernel multiplies them) gives float32's choice and top log-probabilities.
+        """
+        top = y.amax(dim=-1, keepdim=True)  # (M, 1)
+        row, col = (y >= top - top.abs() * 2**-6).nonzero(as_tuple=True)  # 2**-6: 2 steps of 8 significant bits
+        y[row, col] = (self.rows(col) * xb[row].float()).sum(dim=-1)
+        return y
 
     def weight_bytes(self) -> int:
         """Bytes the product reads: the packed planes and their scales and zeros."""
@@ -152,6 +167,13 @@ class GroupLinear(nn.Module):
         """Shapes, as nn.Linear shows them."""
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.bits}-bit codes in groups "
                 f"of {self.group}, bias={self.bias is not None}")  # fmt: skip
+
+
+def exact_head(model: nn.Module) -> None:
+    """Mark a quantised `lm_head` to give float32's top logits (GroupLinear._exact_top); other models: no change."""
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, GroupLinear):
+        head.exact_top = True
 
 
 class GroupEmbedding(nn.Module):

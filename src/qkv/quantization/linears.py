@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.quantization.groups import GroupLinear, runs_natively
+from qkv.quantization.groups import GroupLinear, exact_head, runs_natively
 
 
 class Int8Linear(nn.Module):
@@ -105,7 +105,9 @@ def quantize_int4(model: nn.Module, group: int = 32) -> nn.Module:
         fits = runs_natively((linear.out_features, linear.in_features), group, 4)
         return GroupLinear.from_linear(linear, group) if fits else linear
 
-    return _replace_linears(model, make)
+    _replace_linears(model, make)
+    exact_head(model)
+    return model
 
 
 class InputMajorLinear(nn.Module):

@@ -1,0 +1,277 @@
+"""The engine: many sequences generated at once, admitted and retired between steps (continuous batching).
+
+Each step, in one thread:
+1. admit queued requests into free slots (qkv.attention.slots), preferring the slot that already holds the longest
+   start of the prompt, whose keys are kept (a conversation's next turn re-reads only what it adds);
+2. one decode step for every sequence that is decoding: one forward pass over all their rows, each at its own
+   position, each sampled with its own settings and random generator;
+3. one chunk of one waiting prompt (prefill), so a long prompt delays the others' next token by one chunk only.
+
+A sequence ends at a stop token, a stop string, max_tokens, a full slot, cancellation or its timeout, and its slot is
+freed for the next request. Requests beyond the slots wait in a queue (bounded: past it, submit raises Busy).
+
+Greedy and seeded replies equal qkv.generation.stream's for the same prompt alone (tests/test_engine.py): a row's
+numbers do not depend on the other rows. A reused prompt start is the exception where activations are rounded to
+bfloat16 (GGUF weights kept quantised): its keys were computed in other chunks than a fresh read computes them,
+float sums in another order, and bfloat16's rounding can turn that into a different token many tokens later, as
+with llama.cpp's prompt cache. reuse_prompts=False (`qkv serve --no-prompt-cache`) reads every prompt afresh.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from qkv.attention.slots import Slots, slot_cache
+from qkv.engine.requests import Event, Finished, FinishReason, Request, StopText, Token
+from qkv.errors import QkvError
+from qkv.generation import check_token_ids, sample_next
+from qkv.models import DecoderLM
+from qkv.tokenizers import Tokenizer
+
+PREFILL_CHUNK = 256  # prompt tokens read per step: the longest pause a prompt imposes on the decoding sequences
+
+
+class Busy(QkvError):
+    """The queue is full: try again shortly."""
+
+
+@dataclass
+class _Live:
+    """A request's progress: its slot, the prompt tokens read, the token to feed next, what it has said."""
+
+    request: Request
+    emit: Callable[[Event], None]
+    text: StopText | None
+    generator: torch.Generator | None
+    row: int = -1
+    read: int = 0  # prompt tokens in the slot
+    cached: int = 0  # of those, already there when it was admitted
+    next_id: int | None = None  # decoding: the token to read next
+    said: int = 0
+    cancelled: bool = False
+
+
+@dataclass
+class Handle:
+    """A submitted request: cancel() ends it at the next step boundary and frees its slot."""
+
+    live: _Live = field(repr=False)
+
+    def cancel(self) -> None:
+        """Stop generating for this request (its Finished event says "cancelled")."""
+        self.live.cancelled = True
+
+
+class Engine:
+    """Continuous batching over a DecoderLM: max_batch slots of kv_cache_tokens / max_batch tokens each."""
+
+    def __init__(self, model: DecoderLM, tokenizer: Tokenizer | None = None, max_batch: int = 8,
+                 kv_cache_tokens: int | None = None, max_queue: int = 256, timeout: float | None = None,
+                 reuse_prompts: bool = True) -> None:  # fmt: skip
+        if max_batch < 1:
+            raise QkvError(f"--max-batch must be ≥ 1, got {max_batch}")
+        context = model.cfg.context_length
+        tokens = kv_cache_tokens if kv_cache_tokens is not None else max_batch * context
+        if tokens < max_batch * 2:
+            raise QkvError(f"--kv-cache-tokens {tokens} leaves under 2 tokens per slot for --max-batch {max_batch}")
+        self.model, self.tokenizer, self.max_queue, self.timeout = model, tokenizer, max_queue, timeout
+        self.reuse_prompts = reuse_prompts  # False: every prompt is read from its first token
+        self.device = next(model.parameters()).device
+        self.slots = Slots(max_batch, min(context, tokens // max_batch), self.device)
+        self.cache = slot_cache(model.new_cache(1), self.slots)
+        self.rows: list[_Live | None] = [None] * max_batch
+        self.held: list[list[int]] = [[] for _ in range(max_batch)]  # the ids whose keys each slot holds
+        self.queue: deque[_Live] = deque()
+        self._lock = threading.Condition()
+
+    def submit(self, request: Request, emit: Callable[[Event], None]) -> Handle:
+        """Queue `request`; emit(event) is called from the engine's thread with each Token, then one Finished."""
+        if len(request.ids) >= self.slots.capacity:
+            raise QkvError(f"the prompt is {len(request.ids)} tokens; a slot holds {self.slots.capacity}, with room "
+                           "for the reply: shorten it, or give the engine more --kv-cache-tokens per slot")  # fmt: skip
+        check_token_ids(torch.tensor(request.ids), self.model.cfg.vocab_size)
+        text = None
+        if self.tokenizer is not None:
+            text = StopText(self.tokenizer.decode, request.ids, request.stop)
+        elif request.stop:
+            raise QkvError("stop strings need the model's tokenizer")
+        live = _Live(request, emit, text, request.sampling.generator(self.device))
+        with self._lock:
+            waiting = len(self.queue) - self.rows.count(None)  # queued ones that a free slot will not take
+            if waiting >= self.max_queue:
+                raise Busy(f"{waiting} requests are waiting for a slot, the most this server queues; retry shortly")
+            self.queue.append(live)
+            self._lock.notify()
+        return Handle(live)
+
+    def busy(self) -> bool:
+        """Whether any request is queued or running."""
+        return bool(self.queue) or any(r is not None for r in self.rows)
+
+    def counts(self) -> dict[str, int]:
+        """Slots in use, slots in all, requests waiting."""
+        return {"slots_busy": sum(r is not None for r in self.rows), "slots": len(self.rows), "queued": len(self.queue)}
+
+    def wait(self, timeout: float) -> None:
+        """Sleep until a request arrives (or timeout seconds pass)."""
+        with self._lock:
+            if not self.busy():
+                self._lock.wait(timeout)
+
+    def cancel_all(self) -> None:
+        """Cancel every queued and running request (shutting down); the next step ends them."""
+        with self._lock:
+            for live in [*self.queue, *(r for r in self.rows if r is not None)]:
+                live.cancelled = True
+            self._lock.notify()
+
+    def abort(self) -> None:
+        """End every request with "error" and empty every slot (after a step failed midway)."""
+        with self._lock:
+            for live in [*self.queue, *(r for r in self.rows if r is not None)]:
+                self._finish(live, "error")
+            self.queue.clear()
+        for row in range(len(self.rows)):
+            self.slots.free(row)
+            self.held[row] = []
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """Admit, decode every decoding sequence one token, read one prompt chunk."""
+        self._retire_cancelled()
+        self._admit()
+        if any(r is not None and r.next_id is not None for r in self.rows):
+            self._decode()
+        waiting = [r for r in self.rows if r is not None and r.next_id is None]
+        if waiting:
+            self._prefill(min(waiting, key=lambda r: r.request.created))
+
+    def generate(self, requests: list[Request]) -> list[tuple[list[Token], Finished]]:
+        """Run `requests` to the end together (in this thread); each one's tokens and how it ended, in order."""
+        out: list[tuple[list[Token], list[Finished]]] = [([], []) for _ in requests]
+        for (tokens, done), request in zip(out, requests, strict=True):
+            self.submit(request, _collect(tokens, done))
+        while any(not done for _, done in out):
+            self.step()
+        return [(tokens, done[0]) for tokens, done in out]
+
+    def _retire_cancelled(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for queued in list(self.queue):
+                if queued.cancelled or self._expired(queued, now):
+                    self.queue.remove(queued)
+                    self._finish(queued, "cancelled" if queued.cancelled else "timeout")
+        for live in self.rows:
+            if live is not None and (live.cancelled or self._expired(live, now)):
+                self._finish(live, "cancelled" if live.cancelled else "timeout")
+
+    def _expired(self, live: _Live, now: float) -> bool:
+        return self.timeout is not None and now - live.request.created > self.timeout
+
+    def _admit(self) -> None:
+        """Move queued requests into free slots: the one holding the longest start of the prompt, else the lowest."""
+        with self._lock:
+            while self.queue and None in self.rows:
+                live = self.queue.popleft()
+                free = [i for i, r in enumerate(self.rows) if r is None]
+                shared = {i: _common(self.held[i], live.request.ids) for i in free}
+                row = max(free, key=lambda i: (shared[i], -i))
+                keep = min(shared[row], len(live.request.ids) - 1) if self.reuse_prompts else 0  # the last is read
+                self.slots.free(row, keep)
+                self.held[row] = self.held[row][:keep]
+                live.row, live.read, live.cached = row, keep, keep
+                self.rows[row] = live
+
+    def _prefill(self, live: _Live) -> None:
+        """Read the next chunk of live's prompt into its slot; after the last one, pick its first token."""
+        ids = live.request.ids[live.read : live.read + PREFILL_CHUNK]
+        chunk = torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, T)
+        self.slots.prefill(live.row, len(ids))
+        last = live.read + len(ids) == len(live.request.ids)
+        if last:
+            logits = self.model.next_logits(chunk, self.cache)  # (1, V)
+        else:
+            self.model.hidden(chunk, self.cache)
+        self.slots.advance(live.row, len(ids))
+        self.held[live.row] += ids
+        live.read += len(ids)
+        if last:
+            self._pick(live, logits[0])
+
+    def _decode(self) -> None:
+        """One token for every decoding row: one forward pass over rows [0, n), each at its own position."""
+        n = 1 + max(i for i, r in enumerate(self.rows) if r is not None and r.next_id is not None)
+        live = [r is not None and r.next_id is not None for r in self.rows[:n]]
+        ids = torch.tensor([[r.next_id if on and r is not None and r.next_id is not None else 0]
+                            for r, on in zip(self.rows[:n], live, strict=True)], device=self.device)  # fmt: skip
+        mask = self.slots.decode(live)  # (n, width)
+        hidden = self.model.hidden(ids, self.cache, padding_mask=mask, positions=self.slots.positions())
+        logits = self.model.lm_head(hidden[:, -1])  # (n, V)
+        for i, on in enumerate(live):
+            row = self.rows[i]
+            if on and row is not None and row.next_id is not None:
+                self.slots.advance(i, 1)
+                self.held[i].append(row.next_id)
+                self._pick(row, logits[i])
+
+    def _pick(self, live: _Live, logits: Tensor) -> None:
+        """Sample live's next token from its logits (V,), send it, and end the request where it stops."""
+        request = live.request
+        token = int(sample_next(logits[None], request.sampling, live.generator)[0])
+        live.said += 1
+        if token in request.stop_ids:
+            self._finish(live, "stop")
+            return
+        logprob: float | None = None
+        top: tuple[tuple[int, float], ...] = ()
+        if request.logprobs is not None:
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            logprob = float(logp[token])
+            if request.logprobs:
+                values, ids = torch.topk(logp, request.logprobs)
+                top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+        text = live.text.push(token) if live.text is not None else ""
+        stopped = live.text is not None and live.text.stopped
+        full = self.slots.lengths[live.row] >= self.slots.capacity  # no column left for this token
+        ending = stopped or live.said >= request.max_tokens or full
+        if ending and not stopped and live.text is not None:
+            text += live.text.end()
+        live.emit(Token(token, text, logprob, top))
+        if ending:
+            self._finish(live, "stop" if stopped else "length")
+        else:
+            live.next_id = token
+
+    def _finish(self, live: _Live, reason: FinishReason) -> None:
+        """Send Finished and free live's slot (its keys stay, for a prompt that starts the same way)."""
+        if live.row >= 0 and self.rows[live.row] is live:
+            self.rows[live.row] = None
+        live.emit(Finished(reason, len(live.request.ids), live.said, live.cached))
+
+
+def _collect(tokens: list[Token], done: list[Finished]) -> Callable[[Event], None]:
+    """An emit that keeps tokens and the end in lists."""
+
+    def emit(event: Event) -> None:
+        (tokens if isinstance(event, Token) else done).append(event)  # type: ignore[arg-type]
+
+    return emit
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """The length of a's and b's common start."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+__all__ = ["PREFILL_CHUNK", "Busy", "Engine", "Handle"]
