@@ -94,6 +94,7 @@ def main() -> None:
                    "--eval-interval 70 --eval-tokens 4096 --max-time 600", help="qkv train's settings")
     p.add_argument("--skip-train", action="store_true", help="reuse OUT/run")
     p.add_argument("--batch", type=int, default=32, help="verses decoded at once (1: one after another)")
+    p.add_argument("--decode-only", action="store_true", help="stop after the untuned model's decoding (no training)")
     p.add_argument("--compare-batching", action="store_true",
                    help="also decode the untuned model's verses one at a time: the speed-up, and equal replies")
     p.add_argument("--json", default=None, help="results file (default OUT/chat_sft.json)")
@@ -128,8 +129,11 @@ def main() -> None:
         save("batching", {"one_at_a_time_s": round(seconds, 1), "batched_s": results["before"]["decode_s"],
                           "speedup": round(seconds / results["before"]["decode_s"], 2), "differ": differ,
                           "one_at_a_time_hyps": alone})  # fmt: skip
-        print(f"one at a time {seconds:.0f} s, {args.batch} at a time {results['before']['decode_s']:.0f} s: "
-              f"{seconds / results['before']['decode_s']:.1f}×; {len(differ)} of {len(alone)} replies differ")
+        batched = results["before"]
+        print(f"one at a time {seconds:.0f} s, {batched['batch']} at a time {batched['decode_s']:.0f} s: "
+              f"{seconds / batched['decode_s']:.1f}×; {len(differ)} of {len(alone)} replies differ")
+    if args.decode_only:
+        return
     run = out / "run"
     if not args.skip_train:
         cmd = ["qkv", "train", "--init-from", str(gguf), "--data", str(data), "--out-dir", str(run),

@@ -73,11 +73,11 @@ class Server:
         self.process.wait(timeout=60)
 
 
-def start_qkv(model: str, port: int, threads: int) -> Server:
-    """`qkv serve` with 16 slots of 1024 tokens."""
+def start_qkv(model: str, port: int, threads: int, *extra: str) -> Server:
+    """`qkv serve` with 16 slots of 1024 tokens (extra: more of its options)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     command = [sys.executable, "-m", "qkv", "serve", model, "--port", str(port), "--max-batch", str(SLOTS),
-               "--kv-cache-tokens", str(SLOTS * 1024), "--max-queue", "256"]  # fmt: skip
+               "--kv-cache-tokens", str(SLOTS * 1024), "--max-queue", "256", *extra]  # fmt: skip
     return Server("qkv", command, port, env)
 
 

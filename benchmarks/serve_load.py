@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve import Server, start_qkv  # noqa: E402
+from serve import Server, start_qkv
 
 NEAR_TIE = 0.25  # nats between the two likeliest tokens: below it, bfloat16 rounding may pick either
 
@@ -123,10 +123,13 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--port", type=int, default=8411)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-prompt-cache", action="store_true",
+                   help="serve with --no-prompt-cache: the lone pass re-sends the same prompts, which a slot's prompt "
+                        "cache would otherwise partly reuse (keys summed in other chunks)")  # fmt: skip
     p.add_argument("--json", help="write the findings here")
     args = p.parse_args()
     bodies = requests_for(args.requests, args.seed)
-    server = start_qkv(args.model, args.port, args.threads)
+    server = start_qkv(args.model, args.port, args.threads, *(["--no-prompt-cache"] if args.no_prompt_cache else []))
     rss: dict[str, float] = {"idle": server.rss_mb()}
     try:
         began = time.perf_counter()
@@ -145,7 +148,8 @@ def main() -> int:
     found = compare(together, alone)
     lost = sum(r is None for r in together) + sum(r is None for r in alone)
     ties = [x for x in found["parted"] if x["gap"] < NEAR_TIE]
-    report = {"requests": args.requests, "at_once": args.at_once, "seconds_together": round(seconds, 1),
+    report = {"requests": args.requests, "at_once": args.at_once, "prompt_cache": not args.no_prompt_cache,
+              "seconds_together": round(seconds, 1),
               "identical": found["identical"], "parted_at_near_ties": len(ties),
               "parted_otherwise": [x for x in found["parted"] if x["gap"] >= NEAR_TIE], "parted": found["parted"],
               "lost": lost, "health_after_load": after_load, "health_after_100_leavers": after_leaving,

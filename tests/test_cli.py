@@ -25,12 +25,12 @@ from hypothesis import strategies as st
 import qkv
 import qkv.generation
 from qkv.cli import main
-from qkv.tokenizers.stream import TextStream
 from qkv.data import load_shakespeare
 from qkv.data.cache import open_text
 from qkv.errors import QkvError
 from qkv.models import DecoderLM
 from qkv.tasks import load, train
+from qkv.tokenizers.stream import TextStream
 from qkv.training import evaluate_loss
 from qkv.training.checkpoint import save_checkpoint
 from qkv.training.distributed import DistContext

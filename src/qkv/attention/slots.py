@@ -1,6 +1,6 @@
 """A KV cache of fixed slots, one per sequence, for serving many sequences at once (continuous batching).
 
-Each slot is a row of one preallocated buffer per layer, (S, H_kv, C + 1, D), with a length of its own. Sequences
+Each slot is a row of one preallocated buffer per layer, (S, H_kv, ≥ C + 1, D), with a length of its own. Sequences
 of different lengths decode together: every row writes its new key at its own length, and a padding mask hides the
 columns past each row's length, so a row attends to its own tokens alone. A new sequence is admitted into a free
 row between steps and reads its prompt alone in that row (prefill), while the other rows wait; a finished one frees
@@ -18,6 +18,12 @@ from torch import Tensor
 from qkv.attention.cache import KVCache, LayerCache, storage_dtype
 from qkv.errors import QkvError
 
+ALIGN = 32  # decode attends over a multiple of this many key columns (Slots.decode says why)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
 
 class Slots:
     """The lengths of S sequences of at most C tokens each, and which rows the next forward pass writes."""
@@ -31,6 +37,7 @@ class Slots:
         self.n = 0  # rows in this decode step
         self.width = 0  # key columns the next forward attends over (after its append)
         self.columns = torch.zeros(0, dtype=torch.long)  # decode: (n,) the column each row writes
+        self.columns_held = _aligned(capacity + 1)  # each row's buffer: C tokens, scratch, the alignment's padding
 
     def prefill(self, row: int, n_tokens: int) -> None:
         """Get ready to read n_tokens more of row's sequence (the row alone, a batch of 1)."""
@@ -45,7 +52,10 @@ class Slots:
         lengths = [length if on else self.capacity for length, on in zip(self.lengths, live, strict=False)]
         if any(on and length >= self.capacity for length, on in zip(self.lengths, live, strict=False)):
             raise QkvError(f"a slot is full ({self.capacity} tokens); end its sequence before another step")
-        self.width = 1 + max((length for length, on in zip(self.lengths, live, strict=False) if on), default=0)
+        # Keys past a row's length are masked, yet the fused CPU kernel sums a row's scores in an order that depends
+        # on the width; over a multiple of 32 columns it does not, so a row's numbers are the same in any batch.
+        widest = 1 + max((length for length, on in zip(self.lengths, live, strict=False) if on), default=0)
+        self.width = min(_aligned(widest), self.columns_held)
         self.columns = torch.tensor(lengths, dtype=torch.long, device=self.device)
         visible = torch.arange(self.width, device=self.device)[None, :] <= self.columns[:, None]  # (n, width)
         return visible & torch.tensor(live, device=self.device)[:, None]
@@ -64,7 +74,7 @@ class Slots:
 
 
 class SlotKVCache(KVCache):
-    """One attention layer's keys and values (S, H_kv, C + 1, D) for the sequences of `slots`."""
+    """One attention layer's keys and values (S, H_kv, columns_held, D) for the sequences of `slots`."""
 
     def __init__(self, slots: Slots) -> None:
         super().__init__(slots.capacity)
@@ -83,7 +93,7 @@ class SlotKVCache(KVCache):
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write this step's (B, H_kv, T, D) keys/values at each row's length; return the keys/values to attend to."""
         if self._k is None or self._v is None:
-            shape = (self.slots.n_slots, k.shape[1], self.slots.capacity + 1, k.shape[-1])
+            shape = (self.slots.n_slots, k.shape[1], self.slots.columns_held, k.shape[-1])
             self._k = k.new_zeros(shape, dtype=storage_dtype(k))
             self._v = v.new_zeros(shape, dtype=storage_dtype(v))
         s = self.slots

@@ -13,4 +13,5 @@ from qkv.quantization.linears import (
 )
 
 __all__ = ["BLOCKS", "Blocks", "GroupEmbedding", "GroupLinear", "Groups", "InputMajorLinear", "Int8Linear",
-           "exact_head", "input_major", "quantize_int4", "quantize_int8", "read_blocks", "runs_natively", "weight_bytes"]  # fmt: skip
+           "exact_head", "input_major", "quantize_int4", "quantize_int8", "read_blocks", "runs_natively",
+           "weight_bytes"]  # fmt: skip

@@ -156,7 +156,9 @@ class GroupLinear(nn.Module):
         """
         top = y.amax(dim=-1, keepdim=True)  # (M, 1)
         row, col = (y >= top - top.abs() * 2**-6).nonzero(as_tuple=True)  # 2**-6: 2 steps of 8 significant bits
-        y[row, col] = (self.rows(col) * xb[row].float()).sum(dim=-1)
+        # Summed in float64: the rounded float32 result does not depend on how many outputs are recomputed (a sum's
+        # order may), so a row's logits are the same alone and in a batch.
+        y[row, col] = (self.rows(col).double() * xb[row].double()).sum(dim=-1).float()
         return y
 
     def weight_bytes(self) -> int:
