@@ -176,6 +176,25 @@ def test_stop_strings_cut_the_text_at_their_first_appearance(text: str, stops: l
     assert stop.stopped == (cut < len(text))
 
 
+def test_text_held_for_a_stop_string_is_sent_when_a_stop_token_ends_the_reply() -> None:
+    """The third token's text could begin a stop string, so it is held; the fourth is a stop token: the held text
+    comes with Finished, and the reply's text is its first three tokens'."""
+    from qkv.tokenizers import CharTokenizer
+
+    tokenizer = CharTokenizer(list("abcdefghijklmnopqrstuvwxyz .,;:!?'-ABCDE"))
+    model = tiny_lm()
+    prompt = [1, 2, 3]
+    sampling = next(s for s in (Sampling(1.0, seed=i) for i in range(50))
+                    if len(set(alone(model, prompt, 4, s))) == 4)  # a reply of four different tokens  # fmt: skip
+    reply = alone(model, prompt, 6, sampling)
+    engine = Engine(model, tokenizer, max_batch=1)
+    request = Request(prompt, 6, sampling, stop_ids=frozenset({reply[3]}),
+                      stop=[tokenizer.decode([reply[2]]) + "@"])  # fmt: skip
+    (tokens, done), = engine.generate([request])
+    assert done.reason == "stop" and done.text == tokenizer.decode([reply[2]])
+    assert "".join(t.text for t in tokens) + done.text == tokenizer.decode(reply[:3])
+
+
 def test_engine_events_carry_the_texts_pieces() -> None:
     """With a tokenizer, each Token carries the text it completes; together they are the decoded reply."""
     from qkv.tokenizers import CharTokenizer

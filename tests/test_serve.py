@@ -164,9 +164,10 @@ def test_past_the_queue_a_429_with_retry_after(server: Server) -> None:
                      {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})  # fmt: skip
         held.append(conn)
         time.sleep(0.3)
-    status, headers, error = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2})
-    assert status == 429 and headers["retry-after"] == "2"
-    assert "retry shortly" in error["error"]["message"]
+    for stream in (False, True):  # a stream is refused before it starts, with the same 429
+        status, headers, error = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stream": stream})
+        assert status == 429 and headers["retry-after"] == "2"
+        assert "retry shortly" in error["error"]["message"]
     for conn in held:  # clients that leave cancel their requests and free the slots
         conn.close()
     deadline = time.monotonic() + 20
@@ -193,6 +194,8 @@ def test_past_the_queue_a_429_with_retry_after(server: Server) -> None:
     ({"messages": [{"role": "user", "content": "hi"}], "stop": 5}, 400, "stop must be"),
     ({"messages": [{"role": "user", "content": "hi"}], "stream": True, "stream_options": 3}, 400, "stream_options"),
     ("x" * (10 << 20), 413, "this server reads at most"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "temperature must be a number"),
+    ("[" * 100_000, 400, "not valid JSON"),
 ])  # fmt: skip
 def test_bad_requests_get_a_4xx_in_openais_error_shape(server: Server, body: Any, status: int, words: str) -> None:
     """Each refusal: the status, one line naming the problem, OpenAI's error object."""

@@ -7,6 +7,7 @@ tokens (tests check it), the cache just avoids O(T²) recomputation.
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from collections.abc import Iterator
@@ -55,6 +56,8 @@ class Sampling:
 
     def __post_init__(self) -> None:
         """Refuse options that make no sense, naming the option."""
+        if not math.isfinite(self.temperature) or (self.top_p is not None and not math.isfinite(self.top_p)):
+            raise QkvError(f"temperature and top_p must be finite numbers, got {self.temperature}, {self.top_p}")
         if self.temperature < 0:
             raise QkvError(f"temperature must be ≥ 0 (0 = greedy), got {self.temperature}")
         if 0 < self.temperature < MIN_TEMPERATURE:

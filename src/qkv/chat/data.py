@@ -117,8 +117,11 @@ def read_conversations(path: str | Path) -> list[Conversation]:
 def end_of_turn(tokenizer: Tokenizer) -> str | None:
     """The text of the token that ends a turn: a known end-of-turn marker in the vocabulary, else end-of-text."""
     for marker in END_OF_TURN:
-        if len(tokenizer.encode(marker)) == 1:
-            return marker
+        try:
+            if len(tokenizer.encode(marker)) == 1:
+                return marker
+        except QkvError:  # a character vocabulary cannot spell it: not this model's marker
+            continue
     return tokenizer.decode([tokenizer.eos_id]) if tokenizer.eos_id is not None else None
 
 

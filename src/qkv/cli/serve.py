@@ -51,14 +51,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise QkvError("--timeout must be > 0 and --max-queue ≥ 0")
     for package in ("starlette", "uvicorn"):
         require(package, "serve", "the server")
+    from qkv.io.sockets import bind_socket
     from qkv.serve.server import run
 
+    sock = bind_socket(host, args.port)  # a port in use is refused now, not after the model has loaded
     begin = time.perf_counter()
     served = _served(args)
     counts = served.engine.counts()
     print(f"qkv serve: loaded {served.name} in {time.perf_counter() - begin:.1f} s; {counts['slots']} slots of "
           f"{served.engine.slots.capacity} tokens", flush=True)  # fmt: skip
-    run(served, host, args.port)
+    run(served, sock)
     print("qkv serve: stopped")
     return 0
 
@@ -83,7 +85,16 @@ def _served(args: argparse.Namespace) -> Any:
     encode_chat = None
     if source is not None:
         template = ChatTemplate.of(source, tokenizer, args.chat_template or args.run_dir)
-        encode_chat = lambda messages: tokenizer.encode(template.render(messages, add_generation_prompt=True))  # noqa: E731
+
+        def encode_chat(messages: list[dict[str, str]]) -> list[int]:
+            try:
+                text = template.render(messages, add_generation_prompt=True)
+            except QkvError:
+                raise
+            except Exception as err:  # the template's own code failed on these messages: the request's problem
+                raise QkvError(f"the chat template cannot render these messages: {err}") from None
+            return tokenizer.encode(text)
+
     eos = frozenset({tokenizer.eos_id} if tokenizer.eos_id is not None else set())
     return Served(engine, lm.name, encode_chat, tokenizer.encode, lambda i: tokenizer.decode([i]),
-                  frozenset(stop_ids(tokenizer)), eos, args.api_key)  # fmt: skip
+                  frozenset(stop_ids(tokenizer)) if source is not None else eos, eos, args.api_key)  # fmt: skip

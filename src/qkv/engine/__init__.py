@@ -1,7 +1,7 @@
 """Batched generation: many sequences decoded together, admitted and retired between steps (continuous batching)."""
 
-from qkv.engine.engine import PREFILL_CHUNK, Busy, Engine, Handle
+from qkv.engine.engine import PREFILL_CHUNK, Busy, Closed, Engine, Handle
 from qkv.engine.requests import Event, Finished, FinishReason, Request, StopText, Token
 
-__all__ = ["PREFILL_CHUNK", "Busy", "Engine", "Event", "FinishReason", "Finished", "Handle", "Request", "StopText",
-           "Token"]
+__all__ = ["PREFILL_CHUNK", "Busy", "Closed", "Engine", "Event", "FinishReason", "Finished", "Handle", "Request",
+           "StopText", "Token"]

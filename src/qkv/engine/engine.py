@@ -42,6 +42,10 @@ class Busy(QkvError):
     """The queue is full: try again shortly."""
 
 
+class Closed(QkvError):
+    """The engine is shutting down and takes no more requests."""
+
+
 @dataclass
 class _Live:
     """A request's progress: its slot, the prompt tokens read, the token to feed next, what it has said."""
@@ -75,6 +79,7 @@ class Engine:
     def __init__(self, model: DecoderLM, tokenizer: Tokenizer | None = None, max_batch: int = 8,
                  kv_cache_tokens: int | None = None, max_queue: int = 256, timeout: float | None = None,
                  reuse_prompts: bool = True) -> None:  # fmt: skip
+        """kv_cache_tokens: all slots' tokens (default: max_batch contexts); timeout: seconds a request may take."""
         if max_batch < 1:
             raise QkvError(f"--max-batch must be ≥ 1, got {max_batch}")
         context = model.cfg.context_length
@@ -89,6 +94,7 @@ class Engine:
         self.rows: list[_Live | None] = [None] * max_batch
         self.held: list[list[int]] = [[] for _ in range(max_batch)]  # the ids whose keys each slot holds
         self.queue: deque[_Live] = deque()
+        self.closed = False
         self._lock = threading.Condition()
 
     def submit(self, request: Request, emit: Callable[[Event], None]) -> Handle:
@@ -104,6 +110,8 @@ class Engine:
             raise QkvError("stop strings need the model's tokenizer")
         live = _Live(request, emit, text, request.sampling.generator(self.device))
         with self._lock:
+            if self.closed:
+                raise Closed("the server is shutting down")
             waiting = len(self.queue) - self.rows.count(None)  # queued ones that a free slot will not take
             if waiting >= self.max_queue:
                 raise Busy(f"{waiting} requests are waiting for a slot, the most this server queues; retry shortly")
@@ -124,6 +132,11 @@ class Engine:
         with self._lock:
             if not self.busy():
                 self._lock.wait(timeout)
+
+    def close(self) -> None:
+        """Take no more requests (submit raises Closed); those already in go on."""
+        with self._lock:
+            self.closed = True
 
     def cancel_all(self) -> None:
         """Cancel every queued and running request (shutting down); the next step ends them."""
@@ -228,7 +241,7 @@ class Engine:
         token = int(sample_next(logits[None], request.sampling, live.generator)[0])
         live.said += 1
         if token in request.stop_ids:
-            self._finish(live, "stop")
+            self._finish(live, "stop", live.text.end() if live.text is not None else "")
             return
         logprob: float | None = None
         top: tuple[tuple[int, float], ...] = ()
@@ -250,11 +263,11 @@ class Engine:
         else:
             live.next_id = token
 
-    def _finish(self, live: _Live, reason: FinishReason) -> None:
+    def _finish(self, live: _Live, reason: FinishReason, text: str = "") -> None:
         """Send Finished and free live's slot (its keys stay, for a prompt that starts the same way)."""
         if live.row >= 0 and self.rows[live.row] is live:
             self.rows[live.row] = None
-        live.emit(Finished(reason, len(live.request.ids), live.said, live.cached))
+        live.emit(Finished(reason, len(live.request.ids), live.said, live.cached, text))
 
 
 def _collect(tokens: list[Token], done: list[Finished]) -> Callable[[Event], None]:
@@ -274,4 +287,4 @@ def _common(a: list[int], b: list[int]) -> int:
     return n
 
 
-__all__ = ["PREFILL_CHUNK", "Busy", "Engine", "Handle"]
+__all__ = ["PREFILL_CHUNK", "Busy", "Closed", "Engine", "Handle"]

@@ -56,12 +56,13 @@ class Token:
 
 @dataclass(frozen=True)
 class Finished:
-    """The end of a request: why, and how many tokens it read and wrote."""
+    """The end of a request: why, how many tokens it read and wrote, and text held back until now."""
 
     reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens whose keys a slot already held
+    text: str = ""  # what could have begun a stop string when a stop token ended the reply
 
 
 Event = Token | Finished

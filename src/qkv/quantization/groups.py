@@ -29,6 +29,7 @@ from qkv.errors import QkvError
 from qkv.quantization.ggml import Groups
 
 KERNEL_GROUPS = (32, 64, 128, 256)  # the group sizes the int4 kernel takes
+EXACT_TOP = 64  # outputs per row that _exact_top may recompute
 _SLOTS: dict[tuple[int, int], Tensor] = {}  # (K, rows packed together) → where each weight sits among the nibbles
 
 
@@ -138,7 +139,8 @@ class GroupLinear(nn.Module):
             xb = flat.to(torch.bfloat16).contiguous()
             y = sum(torch.ops.aten._weight_int4pack_mm_for_cpu(xb, p, self.group, sz)
                     for p, sz in zip(self.planes, self.scales_zeros.view(torch.bfloat16), strict=True))  # fmt: skip
-            y = self._exact_top(xb, y.float()) if self.exact_top else y
+            # bfloat16 inputs take bfloat16 outputs: recomputing their top would be rounded away again
+            y = self._exact_top(xb, y.float()) if self.exact_top and x.dtype == torch.float32 else y
             y = y.to(x.dtype)
         else:
             y = F.linear(flat, self.dequantize().to(x.dtype))
@@ -154,8 +156,9 @@ class GroupLinear(nn.Module):
         its row's largest cannot be the largest in float32, so recomputing the few near the top (their rows of W,
         exactly as the kernel multiplies them) gives float32's choice and top log-probabilities.
         """
-        top = y.amax(dim=-1, keepdim=True)  # (M, 1)
-        row, col = (y >= top - top.abs() * 2**-6).nonzero(as_tuple=True)  # 2**-6: 2 steps of 8 significant bits
+        values, index = y.topk(min(EXACT_TOP, y.shape[-1]), dim=-1)  # (M, k): a flat row recomputes k, not all
+        near = values >= values[:, :1] - values[:, :1].abs() * 2**-6  # 2**-6: 2 steps of 8 significant bits
+        row, col = near.nonzero(as_tuple=True)[0], index[near]
         # Summed in float64: the rounded float32 result does not depend on how many outputs are recomputed (a sum's
         # order may), so a row's logits are the same alone and in a batch.
         y[row, col] = (self.rows(col).double() * xb[row].double()).sum(dim=-1).float()

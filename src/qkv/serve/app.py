@@ -20,13 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from qkv.engine import Busy, Engine, Event, Finished, Token
+from qkv.engine import Busy, Closed, Engine, Event, Finished, Handle, Token
 from qkv.errors import QkvError
 from qkv.serve.openai import BadRequest, Call, Reply, UnknownModel, error_body, messages_of, parse, prompt_of
 
@@ -58,21 +60,27 @@ def run_engine(engine: Engine, closing: threading.Event) -> None:
 
     Run it on the main thread, the one that loaded the model: PyTorch's OpenMP workers then form one team, which
     waits for the next operation by spinning. A second thread running operations starts a second team, and with
-    more workers than cores both sleep between operations: every small operation then pays a wake-up, and a decode
-    step takes twice as long (docs/serving.md).
+    more workers than cores both sleep between operations, and every small operation pays a wake-up
+    (docs/serving.md measures it).
     """
     while not closing.is_set():
         if not engine.busy():
             engine.wait(0.1)
             continue
-        try:
-            engine.step()
-        except Exception:  # a bug in a step must not leave clients waiting forever
-            LOG.exception("a generation step failed; its requests are ended")
-            engine.abort()
-    engine.cancel_all()
+        _step(engine)
+    engine.close()  # from now on submit refuses (503), so the drain below ends
     while engine.busy():
+        engine.cancel_all()  # also what was submitted just before close
+        _step(engine)
+
+
+def _step(engine: Engine) -> None:
+    """One engine step; a failing step ends its requests with an error, not the server."""
+    try:
         engine.step()
+    except Exception:  # a bug in a step must not leave clients waiting forever
+        LOG.exception("a generation step failed; its requests are ended")
+        engine.abort()
 
 
 class KeyCheck:
@@ -106,6 +114,8 @@ async def _on_qkv_error(request: Request, exc: Exception) -> Response:
         return _error(413, str(exc))
     if isinstance(exc, Busy):
         return _error(429, str(exc), headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, Closed):
+        return _error(503, str(exc), headers={"Retry-After": str(RETRY_AFTER_S)})
     return _error(400, str(exc), exc.param if isinstance(exc, BadRequest) else None)
 
 
@@ -131,11 +141,11 @@ async def _body(request: Request) -> Any:
         chunks.append(chunk)
     try:
         return json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise BadRequest("the body is not valid JSON") from None
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise BadRequest("the body is not valid JSON (or nested too deeply)") from None
 
 
-def _submit(served: Served, call: Call) -> tuple[asyncio.Queue[Event], Any]:
+def _submit(served: Served, call: Call) -> tuple[asyncio.Queue[Event], Handle]:
     """Hand call's request to the engine; its events arrive on the returned queue."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[Event] = asyncio.Queue()
@@ -158,9 +168,9 @@ def _ended(served: Served, done: Finished) -> Response | None:
     return None
 
 
-async def _complete(served: Served, request: Request, call: Call) -> Response:
-    """Run call to its end and answer with the whole response (cancelled if the client leaves)."""
-    events, handle = _submit(served, call)
+async def _complete(served: Served, request: Request, call: Call, events: asyncio.Queue[Event],
+                    handle: Handle) -> Response:  # fmt: skip
+    """Run a submitted call to its end and answer with the whole response (cancelled if the client leaves)."""
     reply = Reply(call, served.name, served.token_text)
     checked = time.monotonic()
     try:
@@ -181,9 +191,8 @@ async def _complete(served: Served, request: Request, call: Call) -> Response:
         handle.cancel()  # a no-op once finished; ends it if this task was cancelled
 
 
-async def _stream(served: Served, call: Call) -> AsyncIterator[str]:
-    """Server-sent events: a chunk per token, the finish, the usage if asked for, then [DONE]."""
-    events, handle = _submit(served, call)
+async def _stream(served: Served, call: Call, events: asyncio.Queue[Event], handle: Handle) -> AsyncIterator[str]:
+    """Server-sent events of a submitted call: a chunk per token, the finish, the usage if asked for, then [DONE]."""
     reply = Reply(call, served.name, served.token_text)
     first = call.kind == "chat"
     try:
@@ -222,16 +231,18 @@ def create_app(served: Served) -> ASGIApp:
                 raise BadRequest(f"{served.name} has no chat template; use /v1/completions, or restart `qkv serve` "
                                  "with --chat-template FILE", "messages")  # fmt: skip
             encode, stops = served.encode_chat, served.chat_stop_ids
-            call = parse(body, kind, served.name, lambda m: encode(messages_of(m)), stops, served.engine.slots.capacity)
+            read: Callable[[Any], list[int]] = lambda m: encode(messages_of(m))  # noqa: E731
         else:
             text, stops = served.encode_text, served.text_stop_ids
-            call = parse(body, kind, served.name, lambda p: text(prompt_of(p)), stops, served.engine.slots.capacity)
-        if served.closing.is_set():
-            return _error(503, "the server is shutting down", headers={"Retry-After": str(RETRY_AFTER_S)})
+            read = lambda p: text(prompt_of(p))  # noqa: E731
+        # Rendering and tokenizing a long prompt takes a while: off the event loop, so streams keep flowing.
+        call = await run_in_threadpool(parse, body, kind, served.name, read, stops, served.engine.slots.capacity)
+        events, handle = _submit(served, call)  # before any response: a full queue is a 429, not a broken stream
         if call.stream:
-            return StreamingResponse(_stream(served, call), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})  # fmt: skip
-        return await _complete(served, request, call)
+            return StreamingResponse(_stream(served, call, events, handle), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"},
+                                     background=BackgroundTask(handle.cancel))  # fmt: skip
+        return await _complete(served, request, call, events, handle)
 
     async def chat(request: Request) -> Response:
         return await completions(request, "chat")

@@ -8,6 +8,7 @@ other field is refused, as OpenAI refuses it, and so is a model name other than 
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -78,7 +79,8 @@ def _number(body: Mapping[str, Any], name: str, low: float, high: float | None =
     if value is None:
         return None
     kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or value < low or (high is not None and value > high):
+    bad = isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value)
+    if bad or value < low or (high is not None and value > high):
         what = "an integer" if integer else "a number"
         where = f"≥ {low}" if high is None else f"in [{low}, {high}]"
         raise BadRequest(f"{name} must be {what} {where}, got {value!r}", name)
@@ -195,7 +197,7 @@ class Reply:
 
     def response(self, done: Finished) -> dict[str, Any]:
         """The whole (non-streamed) response."""
-        text = "".join(self.text)
+        text = "".join(self.text) + done.text
         choice: dict[str, Any] = {"index": 0, "finish_reason": done.reason,
                                   "logprobs": self.logprobs(self.tokens)}  # fmt: skip
         if self.call.kind == "chat":
@@ -207,11 +209,14 @@ class Reply:
     def chunk(self, token: Token | None, done: Finished | None = None, first: bool = False) -> dict[str, Any]:
         """A streamed chunk: a token's text, or the end (finish_reason)."""
         tokens = [token] if token is not None else []
-        text = token.text if token is not None else ""
+        text = token.text if token is not None else done.text if done is not None else ""
         choice: dict[str, Any] = {"index": 0, "finish_reason": done.reason if done else None,
                                   "logprobs": self.logprobs(tokens) if tokens else None}  # fmt: skip
         if self.call.kind == "chat":
-            choice["delta"] = {"role": "assistant", "content": text} if first else ({"content": text} if tokens else {})
+            if first:
+                choice["delta"] = {"role": "assistant", "content": text}
+            else:
+                choice["delta"] = {"content": text} if text or tokens else {}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         choice["text"] = text
         return {**self._head("text_completion"), "choices": [choice]}

@@ -6,22 +6,21 @@ import contextlib
 import ipaddress
 import logging
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
 
-from qkv.io.sockets import bind_socket
 from qkv.serve.app import Served, create_app, run_engine
 
 
-def run(served: Served, host: str, port: int) -> None:
-    """Serve on host:port (an address parse_host checked) until Ctrl-C or SIGTERM: uvicorn in a thread, the engine
+def run(served: Served, sock: socket.socket) -> None:
+    """Serve on a bound socket until Ctrl-C or SIGTERM: uvicorn in a thread, the engine
     on this one (run_engine says why). On the signal, in-flight requests are ended with a 503 (streams: an error
     event, then [DONE]), then uvicorn stops."""
     import uvicorn
 
-    sock = bind_socket(host, port)
-    port = sock.getsockname()[1]
+    host, port = sock.getsockname()[:2]
     shown = "127.0.0.1" if ipaddress.ip_address(host).is_unspecified else f"[{host}]" if ":" in host else host
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     server = uvicorn.Server(uvicorn.Config(create_app(served), log_level="info", lifespan="off",
