@@ -162,9 +162,11 @@ def chars(ids: list[int]) -> str:
 @given(text=st.text("abc", min_size=1, max_size=20), stops=st.lists(st.text("abc", min_size=1, max_size=3),
                                                                    max_size=3))  # fmt: skip
 def test_stop_strings_cut_the_text_at_their_first_appearance(text: str, stops: list[str]) -> None:
-    """Sent piece by piece, the text is the full text cut before the first stop string (all of it when none
-    appears), whatever the tokens' boundaries: what could begin a stop string waits for the next token."""
-    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
+    """Sent piece by piece, the text is the full text cut before the first stop string to be completed (all of it
+    when none is), whatever the tokens' boundaries: what could begin a stop string waits for the next token.
+    Generation stops there, so a stop string that would only end later (overlapping it) never appears."""
+    end = next((e for e in range(1, len(text) + 1) if any(s in text[:e] for s in stops)), None)
+    cut = len(text) if end is None else min(i for i in (text[:end].find(s) for s in stops) if i >= 0)
     stop = StopText(chars, [], stops)
     sent = ""
     for c in text:
