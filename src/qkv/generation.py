@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, overload
 
@@ -202,6 +202,14 @@ def _stream(
         next_input = token[:, None] if cache is not None else seq[:, -limit:]
         if eos_id is not None and bool(finished.all()):
             return
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many ids a and b share from their start: the tokens a cache of a can keep for b."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _model_setting(model: CausalLM, name: str) -> Any:

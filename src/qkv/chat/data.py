@@ -125,19 +125,13 @@ def end_of_turn(tokenizer: Tokenizer) -> str | None:
     return tokenizer.decode([tokenizer.eos_id]) if tokenizer.eos_id is not None else None
 
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the common prefix of a and b."""
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
 def _first_token(ids: Sequence[int], tokenizer: Tokenizer, prefix: str, inclusive: bool) -> int:
     """The index of the token in `ids` where the text `prefix` ends (inclusive: the token that holds its last
     character, when a token straddles the boundary)."""
+    from qkv.generation import common_prefix  # here: reading conversations needs no torch
+
     head = tokenizer.encode(prefix)
-    n = _common(ids, head)
+    n = common_prefix(ids, head)
     return n if n == len(head) or not inclusive else n + 1
 
 

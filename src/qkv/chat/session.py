@@ -20,7 +20,7 @@ from qkv.attention import LayerCache, crop_cache, settled_length
 from qkv.chat.data import end_of_turn
 from qkv.chat.template import ChatTemplate, Message
 from qkv.errors import QkvError
-from qkv.generation import Sampling, stream
+from qkv.generation import Sampling, common_prefix, stream
 from qkv.models import DecoderLM
 from qkv.tokenizers import Tokenizer
 
@@ -119,8 +119,7 @@ class ChatSession:
             return None
         if self._cache is None:  # it grows (doubling) as the conversation does
             self._cache = self.model.new_cache(min(self.model.cfg.context_length, len(ids) + self.max_new_tokens))
-        shared = next((i for i, (a, b) in enumerate(zip(self._cached, ids, strict=False)) if a != b),
-                      min(len(self._cached), len(ids)))  # fmt: skip
+        shared = common_prefix(self._cached, ids)
         shared = min(shared, len(ids) - 1)  # the prompt's last token is read again: its logits give the reply's first
         crop_cache(self._cache, shared)
         return self._cache

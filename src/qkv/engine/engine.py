@@ -31,7 +31,7 @@ from torch import Tensor
 from qkv.attention.slots import Slots, slot_cache
 from qkv.engine.requests import Event, Finished, FinishReason, Request, StopText, Token
 from qkv.errors import QkvError
-from qkv.generation import check_token_ids, sample_next
+from qkv.generation import check_token_ids, common_prefix, sample_next
 from qkv.models import DecoderLM
 from qkv.tokenizers import Tokenizer
 
@@ -195,7 +195,7 @@ class Engine:
             while self.queue and None in self.rows:
                 live = self.queue.popleft()
                 free = [i for i, r in enumerate(self.rows) if r is None]
-                shared = {i: _common(self.held[i], live.request.ids) for i in free}
+                shared = {i: common_prefix(self.held[i], live.request.ids) for i in free}
                 row = max(free, key=lambda i: (shared[i], -i))
                 keep = min(shared[row], len(live.request.ids) - 1) if self.reuse_prompts else 0  # the last is read
                 self.slots.free(row, keep)
@@ -278,13 +278,6 @@ def _collect(tokens: list[Token], done: list[Finished]) -> Callable[[Event], Non
 
     return emit
 
-
-def _common(a: list[int], b: list[int]) -> int:
-    """The length of a's and b's common start."""
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 __all__ = ["PREFILL_CHUNK", "Busy", "Closed", "Engine", "Handle"]
