@@ -50,11 +50,11 @@ def converse(session: ChatSession, questions: list[str]) -> list[dict[str, Any]]
             start = time.perf_counter()
             tokens, _ = session.say(question)
             reply = [next(tokens)]
-            first = time.perf_counter() - start
+            first, read = time.perf_counter() - start, sum(reads)  # the prompt's chunks, before any decode step
             reply += list(tokens)
             prompt = len(session.tokenizer.encode(session.template.render(session.messages()[:-1],
                                                                           add_generation_prompt=True)))  # fmt: skip
-            rows.append({"prompt": prompt, "read": reads[0], "first_s": first, "reply": reply})
+            rows.append({"prompt": prompt, "read": read, "first_s": first, "reply": reply})
     finally:
         handle.remove()
     return rows

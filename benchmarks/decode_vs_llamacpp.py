@@ -4,7 +4,8 @@ Each measurement runs in a fresh process, alternating engine by engine, so neith
 each load's memory is its own:
 
 - qkv: `qkv.interop.from_hf(file, native=True)`, the file's quantised matrices multiplied as stored
-  (qkv.quantization.GroupLinear), greedy decoding through `qkv.generation.stream`;
+  (qkv.quantization.GroupLinear), greedy decoding through the engine's one slot (`qkv.engine`), as `qkv generate`
+  and `qkv chat` decode;
 - llama.cpp: llama-cpp-python (its own C++ code, built from source at install), greedy through `Llama.generate`
   with top-k 1.
 
@@ -51,12 +52,11 @@ def prompt_ids(path: str, n: int) -> list[int]:
 
 
 def run_qkv(path: str, ids: list[int], new: int, compiled: bool) -> dict[str, float]:
-    """Load the file kept quantised, read the prompt, decode greedily (the one-token step compiled); times and
-    memory."""
-    import torch
-
-    from qkv.generation import GREEDY, compiled_step, stream
-    from qkv.interop import from_hf
+    """Load the file kept quantised, read the prompt, decode greedily through the engine's one slot (the one-token
+    step compiled), as `qkv generate` and `qkv chat` do; times and memory."""
+    from qkv.engine import Engine, Event, Request, Token
+    from qkv.generation import GREEDY
+    from qkv.interop import from_hf, tokenizer_from_hf
     from qkv.quantization import GroupLinear
 
     before = rss_mb()
@@ -65,20 +65,24 @@ def run_qkv(path: str, ids: list[int], new: int, compiled: bool) -> dict[str, fl
     loaded, after = time.perf_counter() - begin, rss_mb()
     quantised = sum(m.weight_bytes() for m in model.modules() if isinstance(m, GroupLinear))  # each module once
     weights = quantised + sum(p.numel() * p.element_size() for p in model.parameters())
-    prompt = torch.tensor([ids])
-    for _ in stream(model, prompt[:, :8], 4, GREEDY, compiled=compiled):  # warm-up: allocations, compiling
-        pass
-    compile_s = compiled_step(model).compile_s if compiled else 0.0
-    start = time.perf_counter()
-    steps = stream(model, prompt, new, GREEDY, compiled=compiled)
-    next(steps)
-    first = time.perf_counter()
-    for _ in steps:
-        pass
-    end = time.perf_counter()
+    engine = Engine(model, tokenizer_from_hf(path), max_batch=1, kv_cache_tokens=len(ids) + new + 8,
+                    reuse_prompts=False, compiled=compiled)  # fmt: skip
+    times: list[float] = []
+
+    def tick(event: Event) -> None:
+        if isinstance(event, Token):
+            times.append(time.perf_counter())
+
+    for prompt, n in ((ids[:8], 4), (ids, new)):  # a warm-up (allocations, compiling), then the measured run
+        times.clear()
+        engine.submit(Request(prompt, n, GREEDY), tick)
+        start = time.perf_counter()
+        while engine.busy():
+            engine.step()
+    first, end = times[0], times[-1]
     return {"load_s": loaded, "load_rss_mb": after - before, "weight_bytes": weights, "ttft_s": first - start,
             "prefill_tok_s": len(ids) / (first - start), "decode_tok_s": (new - 1) / (end - first),
-            "compile_s": compile_s or 0.0}  # fmt: skip
+            "compile_s": engine.kv.compile_s or 0.0}  # fmt: skip
 
 
 def run_llama(path: str, ids: list[int], new: int, threads: int) -> dict[str, float]:

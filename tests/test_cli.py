@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import qkv
+import qkv.engine
 import qkv.generation
 from qkv.cli import main
 from qkv.data import load_shakespeare
@@ -240,7 +241,7 @@ GENERATE_ERRORS: list[tuple[str, list[str], str]] = [
     ("top-p above 1", ["--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
     ("top-k zero", ["--top-k", "0"], "top_k must be ≥ 1, got 0"),
     ("negative temperature", ["--temperature", "-1"], "temperature must be ≥ 0 (0 = greedy), got -1.0"),
-    ("negative length", ["--max-new-tokens", "-1"], "max_new_tokens must be ≥ 0, got -1"),
+    ("negative length", ["--max-new-tokens", "-1"], "--max-new-tokens must be ≥ 0, got -1"),
     ("empty prompt", ["--prompt", ""], "--prompt is empty; give at least one character to continue"),
     ("unknown checkpoint", ["--checkpoint", "middle"],
      "argument --checkpoint: invalid choice: 'middle' (choose from 'best', 'last') (see qkv generate --help)"),
@@ -404,19 +405,25 @@ def test_generate_output_is_identical_without_the_cache(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, char_run: Path, sampling: list[str]
 ) -> None:
     """`qkv generate` and `qkv generate --no-cache` print the same text (40 tokens: past the 32-token context)."""
-    used: list[bool] = []
-    real_stream = qkv.generation.stream
+    used: list[str] = []
+    real_stream, real_step = qkv.generation.stream, qkv.engine.Engine.step
 
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        used.append(args[5])  # use_cache, passed positionally by the CLI
+    def spy_stream(*args: Any, **kwargs: Any) -> Any:
+        used.append("stream, cached" if args[5] else "stream")  # use_cache, passed positionally by the CLI
         return real_stream(*args, **kwargs)
 
-    monkeypatch.setattr(qkv.generation, "stream", spy)
+    def spy_step(engine: qkv.engine.Engine) -> None:
+        if used[-1:] != ["engine"]:
+            used.append("engine")
+        real_step(engine)
+
+    monkeypatch.setattr(qkv.generation, "stream", spy_stream)
+    monkeypatch.setattr(qkv.engine.Engine, "step", spy_step)
     argv = ["generate", str(char_run), "--prompt", "ROMEO:", "--max-new-tokens", "40", *sampling]
     code, cached, err = run_main(capsys, *argv)
     assert (code, err) == (0, "")
     assert run_main(capsys, *argv, "--no-cache") == (0, cached, "")
-    assert used == [True, False]  # the two runs really took the two paths
+    assert used == ["engine", "stream"]  # the two runs took the two paths: the engine, the reference loop uncached
     assert cached.startswith("ROMEO:") and cached.endswith("\n")
     assert len(cached) == len("ROMEO:") + 40 + 1  # char tokenizer: one character per token
     assert run_main(capsys, *argv) == (0, cached, "")  # and the seed makes it repeatable
@@ -437,13 +444,13 @@ def test_generate_decodes_a_bfloat16_or_int8_model(
     from qkv.quantization import GroupLinear, InputMajorLinear, Int8Linear
 
     models: list[torch.nn.Module] = []
-    real_stream = qkv.generation.stream
+    real_init = qkv.engine.Engine.__init__
 
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        models.append(args[0])
-        return real_stream(*args, **kwargs)
+    def spy(engine: qkv.engine.Engine, model: Any, *args: Any, **kwargs: Any) -> None:
+        models.append(model)
+        real_init(engine, model, *args, **kwargs)
 
-    monkeypatch.setattr(qkv.generation, "stream", spy)
+    monkeypatch.setattr(qkv.engine.Engine, "__init__", spy)
     code, out, err = run_main(capsys, "generate", str(char_run), "--prompt", "ROMEO:", "--max-new-tokens", "20",
                               "--temperature", "0", option, value)  # fmt: skip
     assert (code, err) == (0, "")

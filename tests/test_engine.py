@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import qkv.engine.engine
 from qkv import DecoderLM, DecoderLMConfig, QkvError
-from qkv.attention import LatentAttentionConfig
+from qkv.attention import LatentAttentionConfig, SlidingWindowAttentionConfig
 from qkv.engine import Busy, Engine, Finished, Request, StopText, Token
 from qkv.generation import Sampling, stream
 
@@ -150,7 +150,43 @@ def test_bad_requests_are_refused_in_one_line() -> None:
                     d_ff=64, positions="rotary")  # fmt: skip
     latent = cfg.override({"decoder.block.attention": LatentAttentionConfig(n_heads=4)}).build()
     with pytest.raises(QkvError, match="multi-head or grouped-query attention"):
-        Engine(latent.eval())
+        Engine(latent.eval(), max_batch=2)
+    with pytest.raises(QkvError, match="use --max-batch 1 with --compile"):
+        Engine(tiny_lm(), max_batch=2, compiled=True)
+
+
+@pytest.mark.parametrize("attention", [LatentAttentionConfig(n_heads=4, kv_lora_rank=8),
+                                       SlidingWindowAttentionConfig(n_heads=4, window=6)])  # fmt: skip
+def test_one_slot_serves_any_attention_in_the_models_own_cache(attention: object) -> None:
+    """One slot keeps the model's own cache (latent, sliding window): replies equal stream's; a prompt that starts
+    like the last conversation reads only the rest (a sliding window keeps what its window still holds)."""
+    torch.manual_seed(1)
+    cfg = model_cfg(DecoderLMConfig, vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=2, max_positions=64,
+                    d_ff=64, positions="rotary")  # fmt: skip
+    model = cfg.override({"decoder.block.attention": attention}).build().eval()
+    engine = Engine(model, max_batch=1)
+    first, second = [3, 1, 4, 1, 5, 9, 2, 6], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    for prompt, sampling in ((first, Sampling(0.0)), (second, Sampling(1.0, seed=2))):
+        (tokens, done), = engine.generate([Request(prompt, 10, sampling)])
+        assert [t.id for t in tokens] == alone(model, prompt, 10, sampling)
+    if isinstance(attention, LatentAttentionConfig):
+        assert done.cached_tokens >= 8  # the first prompt, and as much of its reply as the second prompt repeats
+    else:
+        assert done.cached_tokens == 0  # 17 tokens held: the window of 6 no longer holds the 8th token's past
+
+
+@pytest.mark.parametrize("max_batch", [1, 3])
+def test_a_sliding_request_goes_past_the_context_as_stream_does(max_batch: int) -> None:
+    """slide=True: at the context's end the last 64 tokens are read again, as stream does, and generation goes on
+    (a 60-token prompt, 30 new tokens with a 64-token context); a plain request ends there with "length"."""
+    model = tiny_lm()
+    prompt = torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(3)).tolist()
+    engine = Engine(model, max_batch=max_batch)
+    for sampling in (Sampling(0.0), Sampling(1.0, seed=7)):
+        (tokens, done), = engine.generate([Request(prompt, 30, sampling, slide=True)])
+        assert [t.id for t in tokens] == alone(model, prompt, 30, sampling) and done.reason == "length"
+    (tokens, done), = engine.generate([Request(prompt, 30, Sampling(0.0))])
+    assert len(tokens) == 5 and done.reason == "length"  # 60 + 4 keys fill the 64 positions; the 5th is not read
 
 
 def chars(ids: list[int]) -> str:

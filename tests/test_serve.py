@@ -135,7 +135,9 @@ def test_concurrent_requests_share_the_slots_and_queue(server: Server) -> None:
     def ask(prompt: str) -> list[Any]:
         reply = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=24,
                                           temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
-        return reply.choices[0].logprobs.content
+        content = reply.choices[0].logprobs.content  # each token's bytes, also part of a character: the reply's UTF-8
+        assert bytes(b for t in content for b in t.bytes).decode() == reply.choices[0].message.content
+        return content
 
     alone = [ask(p) for p in prompts]
     results: dict[int, list[Any]] = {}

@@ -257,6 +257,23 @@ def test_smollm2_token_bytes(shakespeare: str) -> None:
     assert sum(sizes[i] for i in tok.encode("<|im_start|>user\nhi<|im_end|>")) == len("user\nhi")
 
 
+@settings(max_examples=100, deadline=None)
+@given(text=st.text(min_size=1, max_size=40))
+def test_each_tokens_piece_is_its_bytes_and_they_join_into_the_texts_utf8(gpt2: ByteBPETokenizer, text: str) -> None:
+    """piece(id): a byte-level token's own bytes, also where it holds part of a character (its decode alone shows
+    U+FFFD there); the pieces of any text's tokens join into its UTF-8, for GPT-2's BPE and for characters."""
+    assert b"".join(gpt2.piece(i) for i in gpt2.encode(text)) == text.encode("utf-8")
+    chars = CharTokenizer.from_text(text)
+    assert b"".join(chars.piece(i) for i in chars.encode(text)) == text.encode("utf-8")
+
+
+def test_a_token_that_splits_a_character_has_its_bytes_not_the_replacement_character(gpt2: ByteBPETokenizer) -> None:
+    """"🎉" is 4 bytes in GPT-2's tokens; the piece of each token is its part of them."""
+    ids = gpt2.encode("🎉")
+    assert len(ids) > 1 and gpt2.decode(ids[:1]) == "\ufffd"
+    assert b"".join(gpt2.piece(i) for i in ids) == "🎉".encode() and gpt2.piece(ids[0]) != "\ufffd".encode()
+
+
 def test_tokenizers_that_cannot_say_their_bytes_refuse_in_one_line() -> None:
     import tokenizers as hf
 

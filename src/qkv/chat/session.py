@@ -1,26 +1,26 @@
 """A conversation with a model: the history, the system message, the prompt the template renders from them, and
-the reply streamed token by token (KV cache) until the end-of-turn token.
+the reply streamed token by token by the engine (qkv.engine, one slot) until the end-of-turn token.
 
 When the rendered history and the room for a reply no longer fit the model's context, the oldest exchanges are
 dropped (the system message stays), and the session says how many; a single message too long to fit is refused.
 
 The KV cache outlives a turn. Each prompt re-renders the whole conversation, but its keys and values up to the
 end of the last reply are already cached, so a turn reads only its new tokens (the end of the last turn, the
-user's message, the assistant's header), as llama.cpp's server reuses a prompt's cached prefix.
+user's message, the assistant's header), as llama.cpp's server reuses a prompt's cached prefix: the engine keeps
+a finished slot's keys, and a prompt that starts with what the slot holds reads only the rest.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import torch
-
-from qkv.attention import LayerCache, crop_cache, settled_length
 from qkv.chat.data import end_of_turn
 from qkv.chat.template import ChatTemplate, Message
+from qkv.engine import Engine, Event, Finished, Request, Token
 from qkv.errors import QkvError
-from qkv.generation import Sampling, common_prefix, stream
+from qkv.generation import Sampling
 from qkv.models import DecoderLM
 from qkv.tokenizers import Tokenizer
 
@@ -46,12 +46,19 @@ class ChatSession:
     dropped: int = 0  # exchanges dropped from the front so far, to fit the context
     reuse_cache: bool = True  # keep the KV cache across turns: a turn reads only what its prompt adds
     compiled: bool = False  # one-token steps compiled (qkv.generation.compiled_step)
-    _cache: list[LayerCache] | None = field(default=None, init=False, repr=False)
-    _cached: list[int] = field(default_factory=list, init=False, repr=False)  # the ids whose keys _cache holds
+    _engine: Engine | None = field(default=None, init=False, repr=False)
+
+    @property
+    def engine(self) -> Engine:
+        """The one-slot engine that generates the replies (made at the first reply; its slot keeps the keys)."""
+        if self._engine is None:
+            self._engine = Engine(self.model, self.tokenizer, max_batch=1, reuse_prompts=self.reuse_cache,
+                                  compiled=self.compiled)  # fmt: skip
+        return self._engine
 
     def reset(self) -> None:
         """Forget the conversation (the system message stays)."""
-        self.history, self.dropped, self._cached = [], 0, []
+        self.history, self.dropped = [], 0
 
     def messages(self) -> list[Message]:
         """The system message (if set) and the history."""
@@ -91,35 +98,21 @@ class ChatSession:
 
     def _reply(self, ids: list[int]) -> Iterator[int]:
         """Stream the reply's tokens (stop tokens excluded), then record it."""
-        device = next(self.model.parameters()).device
-        prompt = torch.tensor([ids], dtype=torch.int64, device=device)
-        stops, said, seen = stop_ids(self.tokenizer), [], list(ids)
+        request = Request(ids, self.max_new_tokens, self.sampling, frozenset(stop_ids(self.tokenizer)))
+        events: deque[Event] = deque()
+        handle, said, done = self.engine.submit(request, events.append), [], False
         try:
-            for step in stream(self.model, prompt, self.max_new_tokens, self.sampling, cache=self._prefix_cache(ids),
-                               compiled=self.compiled):  # fmt: skip
-                token = int(step[0])
-                seen.append(token)
-                if token in stops:
-                    return
-                said.append(token)
-                yield token
+            while not done:
+                self.engine.step()
+                while events:
+                    event = events.popleft()
+                    if isinstance(event, Finished):
+                        done = True
+                    elif isinstance(event, Token):
+                        said.append(event.id)
+                        yield event.id
         finally:
+            if not done:  # closed early (Ctrl-C): end the request, keep the keys of what was read
+                handle.cancel()
+                self.engine.step()
             self.history.append({"role": "assistant", "content": self.tokenizer.decode(said)})
-            if self._cache is not None:
-                self._cached = seen[: settled_length(self._cache)]
-
-    def _prefix_cache(self, ids: list[int]) -> list[LayerCache] | None:
-        """The session's cache, cropped to the longest start that ids share with what it holds (None: no reuse).
-
-        The template renders the earlier turns as they were, so a new turn's prompt usually starts with the last
-        one's prompt and reply; a reply that tokenizes differently when re-read, a dropped exchange or a new system
-        message shortens the shared start, and only what follows it is read again.
-        """
-        if not self.reuse_cache:
-            return None
-        if self._cache is None:  # it grows (doubling) as the conversation does
-            self._cache = self.model.new_cache(min(self.model.cfg.context_length, len(ids) + self.max_new_tokens))
-        shared = common_prefix(self._cached, ids)
-        shared = min(shared, len(ids) - 1)  # the prompt's last token is read again: its logits give the reply's first
-        crop_cache(self._cache, shared)
-        return self._cache

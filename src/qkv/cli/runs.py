@@ -134,10 +134,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Stream samples to stdout."""
     import torch
 
-    from qkv.generation import Sampling, stream
+    from qkv.generation import Sampling
 
     if args.num_samples < 1:
         raise QkvError(f"--num-samples must be ≥ 1, got {args.num_samples}")
+    if args.max_new_tokens < 0:
+        raise QkvError(f"--max-new-tokens must be ≥ 0, got {args.max_new_tokens}")
     run = _load(args, expect="lm")
     tokenizer = run.require_tokenizer()
     dtype = args.dtype or "float32"
@@ -156,34 +158,60 @@ def cmd_generate(args: argparse.Namespace) -> int:
         input_major(run.model)  # one float32 sequence: the CPU reads Wᵀ (in, out) faster (qkv/quantization/linears.py)
     if args.prompt == "":
         raise QkvError("--prompt is empty; give at least one character to continue")
-    prompt_ids = tokenizer.encode_tensor(args.prompt).to(run.device)
-    ids = prompt_ids[None, :].repeat(args.num_samples, 1)  # (N, T): one row per sample
+    prompt = tokenizer.encode(args.prompt)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-    # stream() checks its arguments now, before anything is printed.
-    steps = stream(run.model, ids, args.max_new_tokens, sampling, tokenizer.eos_id, not args.no_cache,
-                   compiled=args.compile)  # fmt: skip
-    texts: list[list[int]] = [[] for _ in range(args.num_samples)]
-    from qkv.tokenizers.stream import TextStream
-
-    streamed = TextStream(tokenizer.decode, prompt_ids.tolist())  # sample 1, when it is the only one
-    if args.num_samples == 1:
+    alone = args.num_samples == 1  # one sample streams as it comes; several are printed at the end
+    if alone:
         sys.stdout.write(args.prompt)
-    for step in steps:
-        for row, token in enumerate(step.tolist()):
-            if token != tokenizer.eos_id:
-                texts[row].append(token)
-                if args.num_samples == 1:
-                    sys.stdout.write(streamed.push(token))
-                    sys.stdout.flush()
-    if args.num_samples == 1:
-        sys.stdout.write(streamed.end() + "\n")
+    samples = _samples(run.model, tokenizer, prompt, sampling, args, _write if alone else None)
+    if alone:
+        sys.stdout.write("\n")
     else:
-        for row, tokens in enumerate(texts):
+        for row, tokens in enumerate(samples):
             print(f"--- sample {row + 1} ---\n{args.prompt}{tokenizer.decode(tokens)}")
     if args.compile:
         sys.stdout.flush()
         print(compile_note(run.model), file=sys.stderr)
     return 0
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _samples(model: Any, tokenizer: Any, prompt: list[int], sampling: Any, args: argparse.Namespace,
+             show: Any) -> list[list[int]]:  # fmt: skip
+    """--num-samples continuations through the engine; with --no-cache, qkv.generation.stream's reference loop
+    without a cache, each sample alone with the engine's seeds (the same tokens, recomputing every step)."""
+    if not args.no_cache:
+        from qkv.engine import continuations
+
+        return continuations(model, tokenizer, prompt, args.max_new_tokens, sampling, args.num_samples,
+                             compiled=args.compile, show=show)  # fmt: skip
+    import dataclasses
+
+    import torch
+
+    from qkv import generation
+    from qkv.tokenizers.stream import TextStream
+
+    ids = torch.tensor([prompt], device=next(model.parameters()).device)
+    samples = []
+    for k in range(args.num_samples):
+        seeded = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + k)
+        tokens, text = [], TextStream(tokenizer.decode, prompt)
+        for step in generation.stream(model, ids, args.max_new_tokens, seeded, tokenizer.eos_id, False,
+                                      compiled=args.compile):  # fmt: skip
+            if int(step[0]) == tokenizer.eos_id:
+                break
+            tokens.append(int(step[0]))
+            if show is not None:
+                show(text.push(tokens[-1]))
+        if show is not None:
+            show(text.end())
+        samples.append(tokens)
+    return samples
 
 
 def compile_option(p: argparse.ArgumentParser) -> None:

@@ -59,7 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     served = _served(args)
     counts = served.engine.counts()
     print(f"qkv serve: loaded {served.name} in {time.perf_counter() - begin:.1f} s; {counts['slots']} slots of "
-          f"{served.engine.slots.capacity} tokens", flush=True)  # fmt: skip
+          f"{served.engine.kv.capacity} tokens", flush=True)  # fmt: skip
     run(served, sock)
     print("qkv serve: stopped")
     return 0
@@ -96,5 +96,5 @@ def _served(args: argparse.Namespace) -> Any:
             return tokenizer.encode(text)
 
     eos = frozenset({tokenizer.eos_id} if tokenizer.eos_id is not None else set())
-    return Served(engine, lm.name, encode_chat, tokenizer.encode, lambda i: tokenizer.decode([i]),
+    return Served(engine, lm.name, encode_chat, tokenizer.encode, lambda i: tokenizer.decode([i]), tokenizer.piece,
                   frozenset(stop_ids(tokenizer)) if source is not None else eos, eos, args.api_key)  # fmt: skip

@@ -2,6 +2,7 @@
 
 from qkv.engine.engine import PREFILL_CHUNK, Busy, Closed, Engine, Handle
 from qkv.engine.requests import Event, Finished, FinishReason, Request, StopText, Token
+from qkv.engine.samples import continuations
 
 __all__ = ["PREFILL_CHUNK", "Busy", "Closed", "Engine", "Event", "FinishReason", "Finished", "Handle", "Request",
-           "StopText", "Token"]
+           "StopText", "Token", "continuations"]

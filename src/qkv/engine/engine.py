@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from qkv.attention.slots import Slots, slot_cache
 from qkv.engine.requests import Event, Finished, FinishReason, Request, StopText, Token
+from qkv.engine.rows import Rows, rows_for
 from qkv.errors import QkvError
 from qkv.generation import check_token_ids, common_prefix, sample_next
 from qkv.models import DecoderLM
@@ -48,15 +48,15 @@ class Closed(QkvError):
 
 @dataclass
 class _Live:
-    """A request's progress: its slot, the prompt tokens read, the token to feed next, what it has said."""
+    """A request's progress: its slot, the ids still to read, the token to feed next, what it has said."""
 
     request: Request
     emit: Callable[[Event], None]
     text: StopText | None
     generator: torch.Generator | None
     row: int = -1
-    read: int = 0  # prompt tokens in the slot
-    cached: int = 0  # of those, already there when it was admitted
+    pending: list[int] = field(default_factory=list)  # ids to read (prefill) before the next token is picked
+    cached: int = 0  # prompt tokens whose keys the slot already held when it was admitted
     next_id: int | None = None  # decoding: the token to read next
     said: int = 0
     cancelled: bool = False
@@ -78,8 +78,9 @@ class Engine:
 
     def __init__(self, model: DecoderLM, tokenizer: Tokenizer | None = None, max_batch: int = 8,
                  kv_cache_tokens: int | None = None, max_queue: int = 256, timeout: float | None = None,
-                 reuse_prompts: bool = True) -> None:  # fmt: skip
-        """kv_cache_tokens: all slots' tokens (default: max_batch contexts); timeout: seconds a request may take."""
+                 reuse_prompts: bool = True, compiled: bool = False) -> None:  # fmt: skip
+        """kv_cache_tokens: all slots' tokens (default: max_batch contexts); timeout: seconds a request may take;
+        compiled: one slot's one-token step compiled (qkv.generation.compiled_step); max_batch 1 only."""
         if max_batch < 1:
             raise QkvError(f"--max-batch must be ≥ 1, got {max_batch}")
         context = model.cfg.context_length
@@ -89,8 +90,7 @@ class Engine:
         self.model, self.tokenizer, self.max_queue, self.timeout = model, tokenizer, max_queue, timeout
         self.reuse_prompts = reuse_prompts  # False: every prompt is read from its first token
         self.device = next(model.parameters()).device
-        self.slots = Slots(max_batch, min(context, tokens // max_batch), self.device)
-        self.cache = slot_cache(model.new_cache(1), self.slots)
+        self.kv: Rows = rows_for(model, max_batch, min(context, tokens // max_batch), compiled)
         self.rows: list[_Live | None] = [None] * max_batch
         self.held: list[list[int]] = [[] for _ in range(max_batch)]  # the ids whose keys each slot holds
         self.queue: deque[_Live] = deque()
@@ -99,8 +99,8 @@ class Engine:
 
     def submit(self, request: Request, emit: Callable[[Event], None]) -> Handle:
         """Queue `request`; emit(event) is called from the engine's thread with each Token, then one Finished."""
-        if len(request.ids) >= self.slots.capacity:
-            raise QkvError(f"the prompt is {len(request.ids)} tokens; a slot holds {self.slots.capacity}, with room "
+        if len(request.ids) >= self.kv.capacity and not request.slide:
+            raise QkvError(f"the prompt is {len(request.ids)} tokens; a slot holds {self.kv.capacity}, with room "
                            "for the reply: shorten it, or give the engine more --kv-cache-tokens per slot")  # fmt: skip
         check_token_ids(torch.tensor(request.ids), self.model.cfg.vocab_size)
         text = None
@@ -152,7 +152,7 @@ class Engine:
                 self._finish(live, "error")
             self.queue.clear()
         for row in range(len(self.rows)):
-            self.slots.free(row)
+            self.kv.keep(row, 0)
             self.held[row] = []
 
     @torch.inference_mode()
@@ -194,44 +194,34 @@ class Engine:
         with self._lock:
             while self.queue and None in self.rows:
                 live = self.queue.popleft()
+                ids = live.request.ids[-self.kv.capacity :]  # a sliding request's prompt past the context: its end
                 free = [i for i, r in enumerate(self.rows) if r is None]
-                shared = {i: common_prefix(self.held[i], live.request.ids) for i in free}
+                shared = {i: common_prefix(self.held[i], ids) for i in free}
                 row = max(free, key=lambda i: (shared[i], -i))
-                keep = min(shared[row], len(live.request.ids) - 1) if self.reuse_prompts else 0  # the last is read
-                self.slots.free(row, keep)
+                keep = min(shared[row], len(ids) - 1) if self.reuse_prompts else 0  # the last is read: it picks
+                keep = self.kv.keep(row, keep)  # (a sliding-window cache may keep fewer)
                 self.held[row] = self.held[row][:keep]
-                live.row, live.read, live.cached = row, keep, keep
+                live.row, live.pending, live.cached = row, ids[keep:], keep
                 self.rows[row] = live
 
     def _prefill(self, live: _Live) -> None:
-        """Read the next chunk of live's prompt into its slot; after the last one, pick its first token."""
-        ids = live.request.ids[live.read : live.read + PREFILL_CHUNK]
+        """Read the next chunk of live's pending ids into its slot; after the last one, pick its next token."""
+        ids, live.pending = live.pending[:PREFILL_CHUNK], live.pending[PREFILL_CHUNK:]
         chunk = torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, T)
-        self.slots.prefill(live.row, len(ids))
-        last = live.read + len(ids) == len(live.request.ids)
-        if last:
-            logits = self.model.next_logits(chunk, self.cache)  # (1, V)
-        else:
-            self.model.hidden(chunk, self.cache)
-        self.slots.advance(live.row, len(ids))
+        logits = self.kv.prefill(live.row, chunk, last=not live.pending)
         self.held[live.row] += ids
-        live.read += len(ids)
-        if last:
-            self._pick(live, logits[0])
+        if logits is not None:
+            self._pick(live, logits)
 
     def _decode(self) -> None:
         """One token for every decoding row: one forward pass over rows [0, n), each at its own position."""
         n = 1 + max(i for i, r in enumerate(self.rows) if r is not None and r.next_id is not None)
-        live = [r is not None and r.next_id is not None for r in self.rows[:n]]
-        ids = torch.tensor([[r.next_id if on and r is not None and r.next_id is not None else 0]
-                            for r, on in zip(self.rows[:n], live, strict=True)], device=self.device)  # fmt: skip
-        mask = self.slots.decode(live)  # (n, width)
-        hidden = self.model.hidden(ids, self.cache, padding_mask=mask, positions=self.slots.positions())
-        logits = self.model.lm_head(hidden[:, -1])  # (n, V)
-        for i, on in enumerate(live):
-            row = self.rows[i]
-            if on and row is not None and row.next_id is not None:
-                self.slots.advance(i, 1)
+        decoding = [r if r is not None and r.next_id is not None else None for r in self.rows[:n]]
+        ids = torch.tensor([[r.next_id if r is not None and r.next_id is not None else 0] for r in decoding],
+                           device=self.device)  # fmt: skip
+        logits = self.kv.decode([r is not None for r in decoding], ids)  # (n, V)
+        for i, row in enumerate(decoding):
+            if row is not None and row.next_id is not None:
                 self.held[i].append(row.next_id)
                 self._pick(row, logits[i])
 
@@ -253,13 +243,17 @@ class Engine:
                 top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
         text = live.text.push(token) if live.text is not None else ""
         stopped = live.text is not None and live.text.stopped
-        full = self.slots.lengths[live.row] >= self.slots.capacity  # no column left for this token
-        ending = stopped or live.said >= request.max_tokens or full
+        full = self.kv.length(live.row) >= self.kv.capacity  # no room left for this token's keys
+        ending = stopped or live.said >= request.max_tokens or (full and not request.slide)
         if ending and not stopped and live.text is not None:
             text += live.text.end()
         live.emit(Token(token, text, logprob, top))
         if ending:
             self._finish(live, "stop" if stopped else "length")
+        elif full:  # sliding: forget the oldest tokens, read the last capacity again (as qkv.generation.stream)
+            live.pending, live.next_id = (self.held[live.row] + [token])[-self.kv.capacity :], None
+            self.kv.keep(live.row, 0)
+            self.held[live.row] = []
         else:
             live.next_id = token
 

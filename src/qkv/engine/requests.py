@@ -31,6 +31,7 @@ class Request:
     stop_ids: frozenset[int] = frozenset()  # tokens that end it (not sent): end-of-text, end-of-turn
     stop: Sequence[str] = ()  # strings that end it (not sent)
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: and the k likeliest tokens'
+    slide: bool = False  # at the context's end, go on reading its last tokens (qkv.generation.stream) instead of ending
     id: int = field(default_factory=lambda: next(_IDS))
     created: float = field(default_factory=time.monotonic)
 

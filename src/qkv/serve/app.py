@@ -48,6 +48,7 @@ class Served:
     encode_chat: Callable[[list[dict[str, str]]], list[int]] | None  # None: the model has no chat template
     encode_text: Callable[[str], list[int]]
     token_text: Callable[[int], str]
+    token_bytes: Callable[[int], bytes]
     chat_stop_ids: frozenset[int]
     text_stop_ids: frozenset[int]
     api_key: str | None = None
@@ -171,7 +172,7 @@ def _ended(served: Served, done: Finished) -> Response | None:
 async def _complete(served: Served, request: Request, call: Call, events: asyncio.Queue[Event],
                     handle: Handle) -> Response:  # fmt: skip
     """Run a submitted call to its end and answer with the whole response (cancelled if the client leaves)."""
-    reply = Reply(call, served.name, served.token_text)
+    reply = Reply(call, served.name, served.token_text, served.token_bytes)
     checked = time.monotonic()
     try:
         while True:
@@ -193,7 +194,7 @@ async def _complete(served: Served, request: Request, call: Call, events: asynci
 
 async def _stream(served: Served, call: Call, events: asyncio.Queue[Event], handle: Handle) -> AsyncIterator[str]:
     """Server-sent events of a submitted call: a chunk per token, the finish, the usage if asked for, then [DONE]."""
-    reply = Reply(call, served.name, served.token_text)
+    reply = Reply(call, served.name, served.token_text, served.token_bytes)
     first = call.kind == "chat"
     try:
         if first:
@@ -236,7 +237,7 @@ def create_app(served: Served) -> ASGIApp:
             text, stops = served.encode_text, served.text_stop_ids
             read = lambda p: text(prompt_of(p))  # noqa: E731
         # Rendering and tokenizing a long prompt takes a while: off the event loop, so streams keep flowing.
-        call = await run_in_threadpool(parse, body, kind, served.name, read, stops, served.engine.slots.capacity)
+        call = await run_in_threadpool(parse, body, kind, served.name, read, stops, served.engine.kv.capacity)
         events, handle = _submit(served, call)  # before any response: a full queue is a 429, not a broken stream
         if call.stream:
             return StreamingResponse(_stream(served, call, events, handle), media_type="text/event-stream",

@@ -175,8 +175,9 @@ def prompt_of(value: Any) -> str:
 class Reply:
     """One response being written: its id, and the tokens, text and log-probabilities so far."""
 
-    def __init__(self, call: Call, model: str, token_text: Callable[[int], str]) -> None:
-        self.call, self.model, self.token_text = call, model, token_text
+    def __init__(self, call: Call, model: str, token_text: Callable[[int], str],
+                 token_bytes: Callable[[int], bytes]) -> None:  # fmt: skip
+        self.call, self.model, self.token_text, self.token_bytes = call, model, token_text, token_bytes
         chat = call.kind == "chat"
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
@@ -243,7 +244,7 @@ class Reply:
 
     def _entry(self, token: int, logprob: float | None) -> dict[str, Any]:
         text = self.token_text(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": logprob, "bytes": list(self.token_bytes(token))}
 
     def _head(self, kind: str) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,

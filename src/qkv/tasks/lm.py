@@ -27,8 +27,9 @@ from qkv.config import option
 from qkv.data.batches import random_windows, to_device
 from qkv.data.options import TokenizerRecipe
 from qkv.data.tokens import TokenData, TokenSplit
+from qkv.engine import continuations
 from qkv.errors import QkvError
-from qkv.generation import Sampling, generate
+from qkv.generation import Sampling
 from qkv.io.invocation import program
 from qkv.io.progress import ProgressLine, batch_progress
 from qkv.io.run_dir import read_metrics
@@ -292,10 +293,11 @@ class LMRun(LoadedRun):
     config_class: ClassVar[type[RunConfig[Any]]] = LMConfig
 
     def generate(self, prompt: str, max_new_tokens: int = 200, **sampling: Any) -> str:
-        """The prompt's continuation as text (qkv.generation.generate); sampling: Sampling's fields (temperature 0.8
-        unless given)."""
-        sampled = Sampling(**{"temperature": 0.8, **sampling})
-        return generate(self.model, prompt, max_new_tokens, sampled, tokenizer=self.require_tokenizer())
+        """The prompt's continuation as text, up to end-of-text (qkv.engine); sampling: Sampling's fields (temperature
+        0.8 unless given)."""
+        sampled, tokenizer = Sampling(**{"temperature": 0.8, **sampling}), self.require_tokenizer()
+        (tokens,) = continuations(self.model, tokenizer, tokenizer.encode(prompt), max_new_tokens, sampled)
+        return tokenizer.decode(tokens)
 
     def validation_data(self) -> TokenSplit:
         """The run's validation split, as training read it (no training shard is opened, nothing is tokenized

@@ -76,6 +76,10 @@ class Tokenizer(ABC):
 
         return torch.tensor(self.encode(text), dtype=torch.int64)
 
+    def piece(self, token: int) -> bytes:
+        """The bytes token `token` stands for (decode's UTF-8, unless a tokenizer knows its bytes better)."""
+        return self.decode([token]).encode("utf-8")
+
     def token_bytes(self) -> list[int]:
         """UTF-8 bytes of each token id's text, 0 for special tokens (what bits per byte divides by)."""
         # Special tokens (<|endoftext|>) mark where documents end rather than stand for text: 0 bytes, and bits

@@ -105,6 +105,16 @@ class ByteBPETokenizer(Tokenizer):
                 self._ordinary = lambda text: plain.encode(text, add_special_tokens=False).ids
         return [self._ordinary(text) for text in texts]
 
+    def piece(self, token: int) -> bytes:
+        """The bytes token `token` stands for: in a byte-level BPE, part of a character's UTF-8 where the token
+        splits one (which decode alone cannot show)."""
+        piece = self._tok.id_to_token(token) or ""
+        added = self._tok.get_added_tokens_decoder().get(token)
+        alphabet = byte_decoder()
+        if added is None and isinstance(self._tok.decoder, hf.decoders.ByteLevel) and all(c in alphabet for c in piece):
+            return bytes(alphabet[c] for c in piece)
+        return super().piece(token)
+
     def token_bytes(self) -> list[int]:
         """UTF-8 bytes of each token's text, 0 for special tokens; for byte-level BPEs (GPT-2's byte alphabet)."""
         decoder = self._tok.decoder

@@ -1,0 +1,127 @@
+"""Where the engine's sequences keep their keys and values: the rows it reads prompts into and decodes together.
+
+Two layouts behind one interface:
+- SlotRows: S rows of one slot cache (qkv.attention.slots); each decode step is one forward pass over every
+  decoding row, each at its own position. Plain multi-head and grouped-query caches only.
+- OneRow: a single sequence in the model's own cache (any attention: latent, sliding window), stepped as
+  qkv.generation.stream steps it, so its tokens are stream's, and its one-token step may be compiled.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from qkv.attention import KVCache, LayerCache, crop_cache, settled_length
+from qkv.attention.slots import Slots, slot_cache
+from qkv.errors import QkvError
+from qkv.generation import compiled_step
+from qkv.models import DecoderLM
+
+FIRST_CAPACITY = 1024  # OneRow's first cache: a long context's whole buffer would be allocated for a short chat
+
+
+class Rows(Protocol):
+    """The engine's view of its cache: rows of at most `capacity` tokens, read in chunks and decoded together."""
+
+    n_rows: int
+    capacity: int
+
+    @property
+    def compile_s(self) -> float | None: ...
+    def length(self, row: int) -> int: ...
+    def keep(self, row: int, n: int) -> int: ...
+    def prefill(self, row: int, ids: Tensor, last: bool) -> Tensor | None: ...
+    def decode(self, live: list[bool], ids: Tensor) -> Tensor: ...
+
+
+def slottable(model: DecoderLM) -> bool:
+    """Whether every layer keeps a plain KV cache, so that sequences can share a slot cache and decode together."""
+    return all(type(layer.self_attn) is KVCache for layer in model.new_cache(1))
+
+
+class SlotRows:
+    """n_rows sequences of up to `capacity` tokens in one slot cache, decoded in one forward pass per step."""
+
+    compile_s: float | None = None
+
+    def __init__(self, model: DecoderLM, n_rows: int, capacity: int, device: torch.device) -> None:
+        self.model, self.n_rows, self.capacity = model, n_rows, capacity
+        self.slots = Slots(n_rows, capacity, device)
+        self.cache = slot_cache(model.new_cache(1), self.slots)
+
+    def length(self, row: int) -> int:
+        """Tokens the row holds."""
+        return self.slots.lengths[row]
+
+    def keep(self, row: int, n: int) -> int:
+        """Keep the row's first n tokens (0: empty it); returns how many it holds."""
+        self.slots.free(row, n)
+        return self.slots.lengths[row]
+
+    def prefill(self, row: int, ids: Tensor, last: bool) -> Tensor | None:
+        """Read ids (1, T) into the row; the next token's logits (V,) if `last`, else None."""
+        self.slots.prefill(row, ids.shape[1])
+        logits = self.model.next_logits(ids, self.cache)[0] if last else self.model.hidden(ids, self.cache)
+        self.slots.advance(row, ids.shape[1])
+        return logits if last else None
+
+    def decode(self, live: list[bool], ids: Tensor) -> Tensor:
+        """One token (n, 1) into rows [0, n), live ones only; their next tokens' logits (n, V)."""
+        mask = self.slots.decode(live)  # (n, width)
+        hidden = self.model.hidden(ids, self.cache, padding_mask=mask, positions=self.slots.positions())
+        for row, on in enumerate(live):
+            if on:
+                self.slots.advance(row, 1)
+        return self.model.lm_head(hidden[:, -1])  # (n, V)
+
+
+class OneRow:
+    """One sequence in the model's own cache; its one-token step compiled (qkv.generation.compiled_step) if asked."""
+
+    n_rows = 1
+
+    def __init__(self, model: DecoderLM, capacity: int, compiled: bool = False) -> None:
+        self.model, self.capacity = model, capacity
+        self.cache: list[LayerCache] = model.new_cache(min(capacity, FIRST_CAPACITY))  # it doubles as it fills
+        self.step = compiled_step(model) if compiled else None
+
+    @property
+    def compile_s(self) -> float | None:
+        """How long the compiled step's first call took (None: not compiled, or not called yet)."""
+        return None if self.step is None else self.step.compile_s
+
+    def length(self, row: int) -> int:
+        """Tokens the sequence holds (every layer: a step stopped midway, by Ctrl-C, is undone)."""
+        return settled_length(self.cache)
+
+    def keep(self, row: int, n: int) -> int:
+        """Keep the first n tokens, or fewer where the cache cannot (a sliding window's dropped keys); returns how
+        many it holds."""
+        crop_cache(self.cache, n)
+        return settled_length(self.cache)
+
+    def prefill(self, row: int, ids: Tensor, last: bool) -> Tensor | None:
+        """Read ids (1, T); the next token's logits (V,) if `last`, else None."""
+        if last:
+            return self.model.next_logits(ids, self.cache)[0]
+        self.model.hidden(ids, self.cache)
+        return None
+
+    def decode(self, live: list[bool], ids: Tensor) -> Tensor:
+        """One token (1, 1); the next token's logits (1, V)."""
+        return self.step(ids, self.cache) if self.step is not None else self.model.next_logits(ids, self.cache)
+
+
+def rows_for(model: DecoderLM, n_rows: int, capacity: int, compiled: bool = False) -> Rows:
+    """OneRow for one sequence (any model; compiled if asked), else SlotRows (plain KV caches only, eager)."""
+    if n_rows == 1:
+        return OneRow(model, capacity, compiled)
+    if compiled:
+        raise QkvError("a compiled step decodes one sequence at a time: use --max-batch 1 with --compile")
+    return SlotRows(model, n_rows, capacity, next(model.parameters()).device)
+
+
+__all__ = ["OneRow", "Rows", "SlotRows", "rows_for", "slottable"]
