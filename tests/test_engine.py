@@ -242,3 +242,28 @@ def test_engine_events_carry_the_texts_pieces() -> None:
     (tokens, _), = Engine(tiny_lm(), tokenizer, max_batch=1).generate([Request([1, 2, 3], 8, Sampling(0.0))])
     assert "".join(t.text for t in tokens) == tokenizer.decode([t.id for t in tokens])
     assert all(isinstance(t, Token) for t in tokens)
+
+
+def test_continuations_are_the_reference_loops_with_seed_plus_k_in_slots_no_larger_than_needed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """`qkv generate --num-samples 3 --seed 5`: sample k is stream's with seed 5 + k, and the slots hold the prompt
+    and the reply (8 tokens), not the model's whole context each."""
+    from qkv.engine import continuations
+    from qkv.tokenizers import CharTokenizer
+
+    engines: list[Engine] = []
+    real = Engine.__init__
+
+    def spy(engine: Engine, *args: object, **kwargs: object) -> None:
+        real(engine, *args, **kwargs)  # type: ignore[arg-type]
+        engines.append(engine)
+
+    monkeypatch.setattr(Engine, "__init__", spy)
+    model = tiny_lm()
+    tokenizer = CharTokenizer.from_text("".join(chr(0x100 + i) for i in range(VOCAB)))
+    assert tokenizer.vocab_size == VOCAB
+    samples = continuations(model, tokenizer, [1, 2, 3], 5, Sampling(1.0, seed=5), n=3)
+    assert samples == [alone(model, [1, 2, 3], 5, Sampling(1.0, seed=5 + k)) for k in range(3)]
+    (engine,) = engines
+    assert len(engine.rows) == 3 and engine.kv.capacity == 8

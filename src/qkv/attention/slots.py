@@ -114,13 +114,20 @@ class SlotKVCache(KVCache):
         return 2 * self._k.numel() * self._k.element_size()
 
 
+def unslottable(template: list[LayerCache]) -> int | None:
+    """The first layer of `template` (a model's new_cache(1)) whose cache cannot have slots, or None: only plain KV
+    caches can (a latent or a sliding-window cache keeps other things than every position's keys)."""
+    return next((i for i, layer in enumerate(template) if type(layer.self_attn) is not KVCache), None)
+
+
 def slot_cache(template: list[LayerCache], slots: Slots) -> list[LayerCache]:
     """A slot cache with the layout of `template` (a model's new_cache(1)); only plain KV caches have slots."""
-    for i, layer in enumerate(template):
-        if type(layer.self_attn) is not KVCache:
-            raise QkvError(f"layer {i} keeps a {type(layer.self_attn).__name__}; batched generation serves models "
-                           "whose layers use multi-head or grouped-query attention")  # fmt: skip
+    i = unslottable(template)
+    if i is not None:
+        raise QkvError(f"layer {i} keeps a {type(template[i].self_attn).__name__}; batched generation serves models "
+                       "whose layers use multi-head or grouped-query attention: use one sequence at a time "
+                       "(--max-batch 1, --batch-size 1)")  # fmt: skip
     return [LayerCache(SlotKVCache(slots), KVCache()) for _ in template]
 
 
-__all__ = ["SlotKVCache", "Slots", "slot_cache"]
+__all__ = ["SlotKVCache", "Slots", "slot_cache", "unslottable"]

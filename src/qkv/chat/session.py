@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from qkv.chat.data import end_of_turn
 from qkv.chat.template import ChatTemplate, Message
 from qkv.engine import Engine, Event, Finished, Request, Token
+from qkv.engine.samples import end_of_text
 from qkv.errors import QkvError
 from qkv.generation import Sampling
 from qkv.models import DecoderLM
@@ -28,8 +29,7 @@ from qkv.tokenizers import Tokenizer
 def stop_ids(tokenizer: Tokenizer) -> set[int]:
     """Tokens that end a reply: the end-of-turn marker and end-of-text."""
     eot = end_of_turn(tokenizer)
-    ids = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
-    return ids | ({tokenizer.encode(eot)[0]} if eot is not None else set())
+    return set(end_of_text(tokenizer)) | ({tokenizer.encode(eot)[0]} if eot is not None else set())
 
 
 @dataclass
@@ -45,7 +45,7 @@ class ChatSession:
     history: list[Message] = field(default_factory=list)
     dropped: int = 0  # exchanges dropped from the front so far, to fit the context
     reuse_cache: bool = True  # keep the KV cache across turns: a turn reads only what its prompt adds
-    compiled: bool = False  # one-token steps compiled (qkv.generation.compiled_step)
+    compiled: bool = False  # one-token steps compiled (qkv.generation.compiled_step); read, as reuse_cache is, once
     _engine: Engine | None = field(default=None, init=False, repr=False)
 
     @property

@@ -17,6 +17,11 @@ from qkv.errors import QkvError
 from qkv.io import DTYPES
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from qkv.generation import Sampling
+    from qkv.models import DecoderLM
+    from qkv.tokenizers import Tokenizer
     from qkv.translation.run import Translator
 
 # qkv.chat.CHAT_SAMPLING's, spelled here so that building the parser imports no torch (a test holds them equal).
@@ -142,6 +147,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise QkvError(f"--num-samples must be ≥ 1, got {args.num_samples}")
     if args.max_new_tokens < 0:
         raise QkvError(f"--max-new-tokens must be ≥ 0, got {args.max_new_tokens}")
+    if args.no_cache and args.compile:
+        raise QkvError("--compile compiles the cached one-token step; drop --no-cache or --compile")
     run = _load(args, expect="lm")
     tokenizer = run.require_tokenizer()
     dtype = args.dtype or "float32"
@@ -182,8 +189,8 @@ def _write(text: str) -> None:
     sys.stdout.flush()
 
 
-def _samples(model: Any, tokenizer: Any, prompt: list[int], sampling: Any, args: argparse.Namespace,
-             show: Any) -> list[list[int]]:  # fmt: skip
+def _samples(model: DecoderLM, tokenizer: Tokenizer, prompt: list[int], sampling: Sampling, args: argparse.Namespace,
+             show: Callable[[str], None] | None) -> list[list[int]]:  # fmt: skip
     """--num-samples continuations through the engine; with --no-cache, qkv.generation.stream's reference loop
     without a cache, each sample alone with the engine's seeds (the same tokens, recomputing every step)."""
     if not args.no_cache:
@@ -191,20 +198,17 @@ def _samples(model: Any, tokenizer: Any, prompt: list[int], sampling: Any, args:
 
         return continuations(model, tokenizer, prompt, args.max_new_tokens, sampling, args.num_samples,
                              compiled=args.compile, show=show)  # fmt: skip
-    import dataclasses
-
     import torch
 
     from qkv import generation
+    from qkv.engine.samples import seeded
     from qkv.tokenizers.stream import TextStream
 
     ids = torch.tensor([prompt], device=next(model.parameters()).device)
     samples = []
     for k in range(args.num_samples):
-        seeded = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + k)
         tokens, text = [], TextStream(tokenizer.decode, prompt)
-        for step in generation.stream(model, ids, args.max_new_tokens, seeded, tokenizer.eos_id, False,
-                                      compiled=args.compile):  # fmt: skip
+        for step in generation.stream(model, ids, args.max_new_tokens, seeded(sampling, k), tokenizer.eos_id, False):
             if int(step[0]) == tokenizer.eos_id:
                 break
             tokens.append(int(step[0]))
@@ -283,7 +287,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         lines += _bpb_lines(args, lm, entries)
     out = Path(args.out) if args.out else lm.results
     write_results(out, lm, entries)
-    shots = " (gsm8k: 8-shot)" if any(b.name == "gsm8k" for b in benches) else ""
+    shots = "".join(f", {b.name} as {b.title}" for b in benches if b.kind == "generate")
     print(f"{lm.name}: zero-shot{shots}, lm-evaluation-harness's conventions" if results else lm.name)
     for line in lines:
         print(line)

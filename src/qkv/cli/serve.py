@@ -71,6 +71,7 @@ def _served(args: argparse.Namespace) -> Any:
     from qkv.chat.session import stop_ids
     from qkv.chat.template import read_template_file
     from qkv.engine import Engine
+    from qkv.engine.samples import end_of_text
     from qkv.evals.models import load_eval_model
     from qkv.io.devices import resolve_device
     from qkv.serve.app import Served
@@ -95,6 +96,6 @@ def _served(args: argparse.Namespace) -> Any:
                 raise QkvError(f"the chat template cannot render these messages: {err}") from None
             return tokenizer.encode(text)
 
-    eos = frozenset({tokenizer.eos_id} if tokenizer.eos_id is not None else set())
+    eos = end_of_text(tokenizer)
     return Served(engine, lm.name, encode_chat, tokenizer.encode, lambda i: tokenizer.decode([i]), tokenizer.piece,
                   frozenset(stop_ids(tokenizer)) if source is not None else eos, eos, args.api_key)  # fmt: skip

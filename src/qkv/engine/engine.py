@@ -6,10 +6,12 @@ Each step, in one thread:
    conversation's next turn re-reads only what it adds);
 2. one decode step for every sequence that is decoding: one forward pass over all their rows, each at its own
    position, each sampled with its own settings and random generator;
-3. one chunk of one waiting prompt (prefill), so a long prompt delays the others' next token by one chunk only.
+3. one chunk (qkv.generation.PREFILL_CHUNK tokens) of one waiting prompt (prefill), so a long prompt delays the
+   others' next token by one chunk only.
 
-A sequence ends at a stop token, a stop string, max_tokens, a full slot, cancellation or its timeout, and its slot is
-freed for the next request. Requests beyond the slots wait in a queue (bounded: past it, submit raises Busy).
+A sequence ends at a stop token, a stop string, max_tokens, a full slot (unless it slides on past the context, as
+`qkv generate` does), cancellation or its timeout, and its slot is freed for the next request. Requests beyond the
+slots wait in a queue (bounded: past it, submit raises Busy).
 
 Greedy and seeded replies equal qkv.generation.stream's for the same prompt alone (tests/test_engine.py): a row's
 numbers do not depend on the other rows. A reused prompt start is the exception where activations are rounded to
@@ -32,11 +34,9 @@ from torch import Tensor
 from qkv.engine.requests import Event, Finished, FinishReason, Request, StopText, Token
 from qkv.engine.rows import Rows, rows_for
 from qkv.errors import QkvError
-from qkv.generation import check_token_ids, common_prefix, sample_next
+from qkv.generation import PREFILL_CHUNK, check_token_ids, common_prefix, sample_next
 from qkv.models import DecoderLM
 from qkv.tokenizers import Tokenizer
-
-PREFILL_CHUNK = 256  # prompt tokens read per step: the longest pause a prompt imposes on the decoding sequences
 
 
 class Busy(QkvError):
@@ -167,11 +167,13 @@ class Engine:
         if waiting:
             self._prefill(min(waiting, key=lambda r: r.request.created))
 
-    def generate(self, requests: list[Request]) -> list[tuple[list[Token], Finished]]:
-        """Run `requests` to the end together (in this thread); each one's tokens and how it ended, in order."""
+    def generate(self, requests: list[Request], on_event: Callable[[int, Event], None] | None = None,
+                 ) -> list[tuple[list[Token], Finished]]:  # fmt: skip
+        """Run `requests` to the end together (in this thread); each one's tokens and how it ended, in order.
+        on_event(k, event) sees request k's events as they come (text to show, progress)."""
         out: list[tuple[list[Token], list[Finished]]] = [([], []) for _ in requests]
-        for (tokens, done), request in zip(out, requests, strict=True):
-            self.submit(request, _collect(tokens, done))
+        for k, ((tokens, done), request) in enumerate(zip(out, requests, strict=True)):
+            self.submit(request, _collect(tokens, done, k, on_event))
         while any(not done for _, done in out):
             self.step()
         return [(tokens, done[0]) for tokens, done in out]
@@ -265,14 +267,16 @@ class Engine:
         live.emit(Finished(reason, len(live.request.ids), live.said, live.cached, text))
 
 
-def _collect(tokens: list[Token], done: list[Finished]) -> Callable[[Event], None]:
-    """An emit that keeps tokens and the end in lists."""
+def _collect(tokens: list[Token], done: list[Finished], k: int,
+             on_event: Callable[[int, Event], None] | None) -> Callable[[Event], None]:  # fmt: skip
+    """An emit that keeps tokens and the end in lists, and shows each event to on_event as request k's."""
 
     def emit(event: Event) -> None:
         (tokens if isinstance(event, Token) else done).append(event)  # type: ignore[arg-type]
+        if on_event is not None:
+            on_event(k, event)
 
     return emit
 
 
-
-__all__ = ["PREFILL_CHUNK", "Busy", "Closed", "Engine", "Handle"]
+__all__ = ["Busy", "Closed", "Engine", "Handle"]

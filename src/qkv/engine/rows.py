@@ -4,7 +4,8 @@ Two layouts behind one interface:
 - SlotRows: S rows of one slot cache (qkv.attention.slots); each decode step is one forward pass over every
   decoding row, each at its own position. Plain multi-head and grouped-query caches only.
 - OneRow: a single sequence in the model's own cache (any attention: latent, sliding window), stepped as
-  qkv.generation.stream steps it, so its tokens are stream's, and its one-token step may be compiled.
+  qkv.generation.stream steps it (the same chunks, the same one-token step, compiled if asked), so its tokens are
+  stream's.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from qkv.attention import KVCache, LayerCache, crop_cache, settled_length
-from qkv.attention.slots import Slots, slot_cache
+from qkv.attention import LayerCache, crop_cache, settled_length
+from qkv.attention.slots import Slots, slot_cache, unslottable
 from qkv.errors import QkvError
 from qkv.generation import compiled_step
 from qkv.models import DecoderLM
@@ -26,29 +27,24 @@ FIRST_CAPACITY = 1024  # OneRow's first cache: a long context's whole buffer wou
 class Rows(Protocol):
     """The engine's view of its cache: rows of at most `capacity` tokens, read in chunks and decoded together."""
 
-    n_rows: int
     capacity: int
 
-    @property
-    def compile_s(self) -> float | None: ...
     def length(self, row: int) -> int: ...
     def keep(self, row: int, n: int) -> int: ...
     def prefill(self, row: int, ids: Tensor, last: bool) -> Tensor | None: ...
     def decode(self, live: list[bool], ids: Tensor) -> Tensor: ...
 
 
-def slottable(model: DecoderLM) -> bool:
-    """Whether every layer keeps a plain KV cache, so that sequences can share a slot cache and decode together."""
-    return all(type(layer.self_attn) is KVCache for layer in model.new_cache(1))
+def together(model: DecoderLM, n: int, compiled: bool = False) -> int:
+    """How many of n sequences decode together: n, or 1 for a compiled step or a model whose caches have no slots."""
+    return n if n > 1 and not compiled and unslottable(model.new_cache(1)) is None else 1
 
 
 class SlotRows:
     """n_rows sequences of up to `capacity` tokens in one slot cache, decoded in one forward pass per step."""
 
-    compile_s: float | None = None
-
     def __init__(self, model: DecoderLM, n_rows: int, capacity: int, device: torch.device) -> None:
-        self.model, self.n_rows, self.capacity = model, n_rows, capacity
+        self.model, self.capacity = model, capacity
         self.slots = Slots(n_rows, capacity, device)
         self.cache = slot_cache(model.new_cache(1), self.slots)
 
@@ -81,17 +77,10 @@ class SlotRows:
 class OneRow:
     """One sequence in the model's own cache; its one-token step compiled (qkv.generation.compiled_step) if asked."""
 
-    n_rows = 1
-
     def __init__(self, model: DecoderLM, capacity: int, compiled: bool = False) -> None:
         self.model, self.capacity = model, capacity
         self.cache: list[LayerCache] = model.new_cache(min(capacity, FIRST_CAPACITY))  # it doubles as it fills
         self.step = compiled_step(model) if compiled else None
-
-    @property
-    def compile_s(self) -> float | None:
-        """How long the compiled step's first call took (None: not compiled, or not called yet)."""
-        return None if self.step is None else self.step.compile_s
 
     def length(self, row: int) -> int:
         """Tokens the sequence holds (every layer: a step stopped midway, by Ctrl-C, is undone)."""
@@ -104,9 +93,9 @@ class OneRow:
         return settled_length(self.cache)
 
     def prefill(self, row: int, ids: Tensor, last: bool) -> Tensor | None:
-        """Read ids (1, T); the next token's logits (V,) if `last`, else None."""
+        """Read ids (1, T); the next token's logits (V,) if `last`, else None (one last token: the decode step)."""
         if last:
-            return self.model.next_logits(ids, self.cache)[0]
+            return self.decode([True], ids)[0] if ids.shape[1] == 1 else self.model.next_logits(ids, self.cache)[0]
         self.model.hidden(ids, self.cache)
         return None
 
@@ -124,4 +113,4 @@ def rows_for(model: DecoderLM, n_rows: int, capacity: int, compiled: bool = Fals
     return SlotRows(model, n_rows, capacity, next(model.parameters()).device)
 
 
-__all__ = ["OneRow", "Rows", "SlotRows", "rows_for", "slottable"]
+__all__ = ["OneRow", "Rows", "SlotRows", "rows_for", "together"]

@@ -10,11 +10,21 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from qkv.engine.engine import Engine
-from qkv.engine.requests import Event, Request, Token
-from qkv.engine.rows import slottable
+from qkv.engine.requests import Event, Request
+from qkv.engine.rows import together
 from qkv.generation import Sampling
 from qkv.models import DecoderLM
 from qkv.tokenizers import Tokenizer
+
+
+def end_of_text(tokenizer: Tokenizer) -> frozenset[int]:
+    """The tokens that end a continuation of plain text: end-of-text, where the tokenizer has one."""
+    return frozenset() if tokenizer.eos_id is None else frozenset({tokenizer.eos_id})
+
+
+def seeded(sampling: Sampling, k: int) -> Sampling:
+    """The sampling of draw k: seed + k where a seed is given (draws differ, and each repeats alone)."""
+    return sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + k)
 
 
 def continuations(model: DecoderLM, tokenizer: Tokenizer, prompt: list[int], max_tokens: int, sampling: Sampling,
@@ -24,29 +34,16 @@ def continuations(model: DecoderLM, tokenizer: Tokenizer, prompt: list[int], max
     as it comes. Decoded together where the model's caches allow (not compiled), else one after another."""
     if max_tokens == 0:
         return [[] for _ in range(n)]
-    together = n if n > 1 and not compiled and slottable(model) else 1
-    engine = Engine(model, tokenizer, max_batch=together, max_queue=n, compiled=compiled)
-    stops = frozenset() if tokenizer.eos_id is None else frozenset({tokenizer.eos_id})
-    tokens: list[list[int]] = [[] for _ in range(n)]
-    ended = [False] * n
+    batch = together(model, n, compiled)
+    room = min(model.cfg.context_length, len(prompt) + max_tokens)  # a slot never holds more than it may need
+    engine = Engine(model, tokenizer, max_batch=batch, kv_cache_tokens=batch * room, max_queue=n, compiled=compiled)
+    requests = [Request(prompt, max_tokens, seeded(sampling, k), end_of_text(tokenizer), slide=True) for k in range(n)]
 
-    def collect(k: int) -> Callable[[Event], None]:
-        def emit(event: Event) -> None:
-            if isinstance(event, Token):
-                tokens[k].append(event.id)
-            else:
-                ended[k] = True
-            if k == 0 and show is not None:
-                show(event.text)
+    def first(k: int, event: Event) -> None:
+        if k == 0 and show is not None:
+            show(event.text)
 
-        return emit
-
-    for k in range(n):
-        seeded = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + k)
-        engine.submit(Request(prompt, max_tokens, seeded, stops, slide=True), collect(k))
-    while not all(ended):
-        engine.step()
-    return tokens
+    return [[t.id for t in tokens] for tokens, _ in engine.generate(requests, first)]
 
 
-__all__ = ["continuations"]
+__all__ = ["continuations", "end_of_text", "seeded"]

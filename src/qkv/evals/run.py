@@ -19,6 +19,13 @@ from qkv.io.files import atomic_write_json, load_json
 from qkv.io.progress import ProgressLine, clock
 
 
+def _header(bench: Benchmark, items: int, seconds: float, found: dict[str, Measure]) -> dict[str, Any]:
+    """What every result in the JSON starts with: the benchmark, how many items, the time, the measures."""
+    return {"title": bench.title, "split": bench.split, "items": items, "of": bench.size, "sha256": bench.sha256,
+            "seconds": round(seconds, 2),
+            "metrics": {k: {"value": m.value, "ci95": [m.lo, m.hi]} for k, m in found.items()}}  # fmt: skip
+
+
 @dataclass
 class BenchResult:
     """A benchmark's measures over the items scored, the time it took, and each item's scores."""
@@ -33,13 +40,7 @@ class BenchResult:
         """The result as results JSON stores it: measures with intervals, and per item the choice picked."""
         picks = [predictions(item, s) for item, s in zip(self.items, self.scores, strict=True)]
         return {
-            "title": self.bench.title,
-            "split": self.bench.split,
-            "items": len(self.items),
-            "of": self.bench.size,
-            "sha256": self.bench.sha256,
-            "seconds": round(self.seconds, 2),
-            "metrics": {k: {"value": m.value, "ci95": [m.lo, m.hi]} for k, m in self.measures.items()},
+            **_header(self.bench, len(self.items), self.seconds, self.measures),
             "per_item": {
                 "gold": [item.gold for item in self.items],
                 "pred": [p["acc"] for p in picks],
@@ -64,13 +65,7 @@ class GenResult:
     def to_json(self) -> dict[str, Any]:
         """The result as results JSON stores it: measures with intervals, and per item what the model wrote."""
         return {
-            "title": self.bench.title,
-            "split": self.bench.split,
-            "items": len(self.items),
-            "of": self.bench.size,
-            "sha256": self.bench.sha256,
-            "seconds": round(self.seconds, 2),
-            "metrics": {k: {"value": m.value, "ci95": [m.lo, m.hi]} for k, m in self.measures.items()},
+            **_header(self.bench, len(self.items), self.seconds, self.measures),
             "per_item": {
                 "target": [item.requests[0][1] for item in self.items],
                 "output": self.outputs,
@@ -113,7 +108,7 @@ def check_spelling(lm: EvalModel, bench: Benchmark, items: list[Item]) -> None:
 
 
 def run_benchmark(lm: EvalModel, bench: Benchmark, limit: int | None, show: ProgressLine,
-                  batch: int = 16) -> BenchResult | GenResult:  # fmt: skip
+                  batch: int = 32) -> BenchResult | GenResult:  # fmt: skip
     """Score one benchmark's first `limit` items (all for None); batch: sequences a generative one decodes at once."""
     if limit is not None and limit < 1:
         raise QkvError(f"--limit must be a positive number of items, got {limit}")

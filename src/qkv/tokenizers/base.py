@@ -76,6 +76,10 @@ class Tokenizer(ABC):
 
         return torch.tensor(self.encode(text), dtype=torch.int64)
 
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special tokens, which text decoded for reading leaves out: end-of-text, where there is one."""
+        return frozenset() if self.eos_id is None else frozenset({self.eos_id})
+
     def piece(self, token: int) -> bytes:
         """The bytes token `token` stands for (decode's UTF-8, unless a tokenizer knows its bytes better)."""
         return self.decode([token]).encode("utf-8")

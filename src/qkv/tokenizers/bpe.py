@@ -34,6 +34,7 @@ class ByteBPETokenizer(Tokenizer):
         self._tok = hf_tokenizer
         self._eos_token = eos_token  # pretrained vocabularies name their own (SmolLM2: <|im_end|>)
         self._ordinary: Any = None  # the engine of encode_ordinary, made on first use
+        self._added_tokens: dict[int, Any] | None = None  # _added's, read on first use
 
     @classmethod
     def train(
@@ -105,15 +106,27 @@ class ByteBPETokenizer(Tokenizer):
                 self._ordinary = lambda text: plain.encode(text, add_special_tokens=False).ids
         return [self._ordinary(text) for text in texts]
 
+    def _added(self) -> dict[int, Any]:
+        """Added tokens (specials, and words matched as written) by id, read once."""
+        if self._added_tokens is None:
+            self._added_tokens = self._tok.get_added_tokens_decoder()
+        return self._added_tokens
+
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special tokens (<|endoftext|>, <|im_start|>, …)."""
+        return frozenset(i for i, token in self._added().items() if token.special)
+
     def piece(self, token: int) -> bytes:
         """The bytes token `token` stands for: in a byte-level BPE, part of a character's UTF-8 where the token
-        splits one (which decode alone cannot show)."""
-        piece = self._tok.id_to_token(token) or ""
-        added = self._tok.get_added_tokens_decoder().get(token)
-        alphabet = byte_decoder()
-        if added is None and isinstance(self._tok.decoder, hf.decoders.ByteLevel) and all(c in alphabet for c in piece):
-            return bytes(alphabet[c] for c in piece)
-        return super().piece(token)
+        splits one (which decode alone cannot show); an added token's text as written."""
+        added = self._added().get(token)
+        if added is not None:
+            return added.content.encode("utf-8")
+        if not isinstance(self._tok.decoder, hf.decoders.ByteLevel) or not 0 <= token < self.vocab_size:
+            return super().piece(token)
+        alphabet, piece = byte_decoder(), self._tok.id_to_token(token) or ""
+        # One character per byte; a piece outside that alphabet decodes as its own UTF-8, as HF's decoder does.
+        return bytes(alphabet[c] for c in piece) if all(c in alphabet for c in piece) else piece.encode("utf-8")
 
     def token_bytes(self) -> list[int]:
         """UTF-8 bytes of each token's text, 0 for special tokens; for byte-level BPEs (GPT-2's byte alphabet)."""
@@ -122,18 +135,9 @@ class ByteBPETokenizer(Tokenizer):
             raise QkvError(f"bits per byte needs the bytes of text each token stands for, which this BPE (decoder "
                            f"{type(decoder).__name__ if decoder else None}, not GPT-2's byte-level one) does not say; "
                            "compare such models by validation loss, on one tokenizer")  # fmt: skip
-        alphabet = byte_decoder()
-        added = self._tok.get_added_tokens_decoder()
-        sizes = []
-        for i in range(self.vocab_size):
-            token = added.get(i)
-            if token is not None:  # matched in the text as it is written, before the bytes are mapped
-                sizes.append(0 if token.special else len(token.content.encode("utf-8")))
-                continue
-            piece = self._tok.id_to_token(i) or ""
-            # One character per byte; a piece outside that alphabet decodes as its own UTF-8, as HF's decoder does.
-            sizes.append(len(piece) if all(c in alphabet for c in piece) else len(piece.encode("utf-8")))
-        return sizes
+        # Special tokens are matched in the text as written, before bytes are mapped, and stand for no text.
+        special = self.special_ids()
+        return [0 if i in special else len(self.piece(i)) for i in range(self.vocab_size)]
 
     def cuts_like_gpt2(self) -> bool:
         """True for a byte-level BPE with GPT-2's pre-tokenizer (digits split apart first, or not) and no
