@@ -77,7 +77,7 @@ def _array_of_conversations(path: Path, first: str | None) -> bool:
     return isinstance(whole, list) and bool(whole) and _is_conversation(whole[0])
 
 
-def _check_message(message: Any, where: str) -> Message:
+def check_message(message: Any, where: str) -> Message:
     """A {"role", "content"} message, or a one-line error naming where it is and what to write."""
     if not isinstance(message, dict):
         raise QkvError(f"{where} is not an object; write each message as {{\"role\": …, \"content\": …}}")
@@ -98,7 +98,7 @@ def parse_conversation(line: str, number: int, source: str) -> Conversation:
         raise QkvError(f"{where} is not JSON ({e.msg}); write one conversation per line: {FORMAT}") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("messages"), list):
         raise QkvError(f"{where} has no \"messages\" list; write one conversation per line: {FORMAT}")
-    messages = [_check_message(m, f"{where}, message {i + 1}") for i, m in enumerate(obj["messages"])]
+    messages = [check_message(m, f"{where}, message {i + 1}") for i, m in enumerate(obj["messages"])]
     if not any(m["role"] == "assistant" for m in messages):
         raise QkvError(f"{where} has no assistant message, so nothing to learn from; add the reply or drop the line")
     return Conversation(messages, number)
@@ -173,3 +173,12 @@ def encode_chat(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence
         for j in range(first, min(last, len(ids))):
             mask[j] = True
     return ids, mask
+
+
+def encode_reply(template: ChatTemplate, tokenizer: Tokenizer, prompt: Sequence[Message], reply: Sequence[Message],
+                 eot: str | None = None) -> tuple[list[int], list[bool]]:  # fmt: skip
+    """The rendered prompt-and-reply's token ids, and for each token whether it belongs to the reply's assistant
+    turns (as encode_chat masks them); the prompt's own assistant turns are context, never trained."""
+    ids, mask = encode_chat(template, tokenizer, [*prompt, *reply], eot)
+    opening = _first_token(ids, tokenizer, template.render(prompt, add_generation_prompt=True), inclusive=False)
+    return ids, [m and j >= opening for j, m in enumerate(mask)]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from qkv.cli.common import Parser, key_value
 from qkv.errors import QkvError
-from qkv.tasks import TASKS
+from qkv.tasks import LANGUAGE_MODELS, TASKS
 
 if TYPE_CHECKING:
     from qkv.training import RunConfig
@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
     if unknown:
         _refuse(task, unknown, parser)
     settings = _settings(args)
-    if settings.get("init_from") is not None and task == "lm":
+    if settings.get("init_from") is not None and task in LANGUAGE_MODELS:
         _refuse_architecture(args)
     cfg = resumed(task, settings) if settings.get("resume") else recipe(task, settings)  # checked once, here
     nproc = getattr(args, "nproc", None)

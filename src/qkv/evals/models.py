@@ -33,12 +33,12 @@ def load_eval_model(path: str | Path, checkpoint: str = "best", device: str | to
     """The causal LM at `path` (qkv.tasks.load: a run or any checkpoint), or a one-line error saying what it is
     instead and what to do (use: what the command does with it, for messages; native: a GGUF's quantised matrices
     kept quantised)."""
-    from qkv.tasks import load
+    from qkv.tasks import LANGUAGE_MODELS, load
     from qkv.tasks.checkpoint import CheckpointRun, run_task
 
     where = Path(path)
     task = run_task(where)
-    if task is not None and task != "lm":
+    if task is not None and task not in LANGUAGE_MODELS:
         also = f"; `qkv eval {where}` gives its task's own measures" if use.startswith("--bench") else ""
         raise QkvError(f"{where} is a `qkv train {task}` run; {use} causal language models (runs of `qkv train`, "
                        f"GGUF or Hugging Face checkpoints){also}")  # fmt: skip

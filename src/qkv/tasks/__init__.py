@@ -2,6 +2,7 @@
 
     lm         a decoder-only language model on text (the default of `qkv train`); from a checkpoint
                (--init-from): fine-tuning (qkv.tasks.finetune), on conversations: chat (qkv.tasks.chat)
+    dpo        a checkpoint tuned on preference pairs (direct preference optimisation)
     translate  the encoder–decoder Transformer, German → English (or any TSV of sentence pairs)
     mlm        masked-language-model pretraining of the encoder-only model (BERT's recipe)
     copy       the Annotated Transformer's sanity check: copy digit sequences
@@ -43,6 +44,8 @@ class TaskEntry:
 TASKS: dict[str, TaskEntry] = {
     "lm": TaskEntry("qkv.tasks.lm", "LMConfig", "LMTask", "LMRun", "language model",
                     "a decoder-only language model on text (default: the embedded Shakespeare)"),
+    "dpo": TaskEntry("qkv.tasks.dpo", "DPOConfig", "DPOTask", "DPORun", "DPO-tuned language model",
+                     "a checkpoint tuned on preference pairs: --init-from CHECKPOINT --data prefs.jsonl (DPO)"),
     "translate": TaskEntry("qkv.tasks.translate", "TranslateConfig", "TranslateTask", "TranslationRun",
                            "translation model", "the encoder–decoder Transformer, German → English (or a TSV)"),
     "mlm": TaskEntry("qkv.tasks.mlm", "MLMConfig", "MLMTask", "MLMRun", "masked language model",
@@ -57,6 +60,7 @@ FINETUNE = TaskEntry("qkv.tasks.finetune", "LMConfig", "FinetuneTask", "Finetune
                      "fine-tuning a checkpoint on text")  # fmt: skip
 CHAT = TaskEntry("qkv.tasks.chat", "LMConfig", "ChatTask", "ChatRun", "chat model", "fine-tuning on conversations")
 LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
+LANGUAGE_MODELS = ("lm", "dpo")  # the tasks whose runs are causal language models: chat, serve, eval --bench read them
 
 
 def _entry(task: str) -> TaskEntry:
@@ -107,9 +111,9 @@ def recipe(task: str = "lm", settings: Mapping[str, Any] | None = None) -> RunCo
     settings = dict(settings or {})
     cfg: RunConfig[Any] = _part(_entry(task), "recipe")()
     init_from = settings.get("init_from")
-    if task == "lm" and init_from is not None:
+    if task in LANGUAGE_MODELS and init_from is not None:
         cfg = _finetune_recipe(cfg, settings)
-    elif task == "lm" and any(settings.get(flag) is not None for flag in LORA_FLAGS):
+    elif task in LANGUAGE_MODELS and any(settings.get(flag) is not None for flag in LORA_FLAGS):
         raise QkvError("--lora-rank and the other LoRA settings adapt a pretrained model; add --init-from CHECKPOINT")
     return cfg.override(settings)
 
@@ -128,6 +132,10 @@ def _finetune_recipe(cfg: RunConfig[Any], settings: dict[str, Any]) -> RunConfig
     init_from = absolute(settings["init_from"])
     assert init_from is not None
     tuned = finetune.recipe(cfg, init_from, lora)  # type: ignore[arg-type]
+    if cfg.task == "dpo":
+        from qkv.tasks import dpo
+
+        return dpo.tuned(tuned)  # type: ignore[arg-type]
     return chat.recipe(tuned) if is_chat_file(settings.get("data", settings.get("source"))) else tuned
 
 
@@ -176,10 +184,11 @@ def load(path: str | Path, checkpoint: str = "best", device: str | torch.device 
         wanted = None if expect in (None, "lm") else f"{_entry(expect).kind}; give a run of `qkv train {expect}`"
         return load_checkpoint(where, device, wanted, role, native)
     stored = read_run_config(where)
-    if expect is not None and stored["task"] != expect:
+    if expect is not None and stored["task"] != expect and not {stored["task"], expect} <= set(LANGUAGE_MODELS):
         raise QkvError(f"{path} holds a {_entry(stored['task']).kind} run, not a {_entry(expect).kind}")
     cfg = config_class(stored["task"]).from_stored(stored)
     return run_class(cfg).load(where, checkpoint, device, stored)
 
 
-__all__ = ["TASKS", "TaskEntry", "config_class", "load", "recipe", "resumed", "run_class", "task_class", "train"]
+__all__ = ["LANGUAGE_MODELS", "TASKS", "TaskEntry", "config_class", "load", "recipe", "resumed", "run_class",
+           "task_class", "train"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 
@@ -120,5 +120,5 @@ class FinetunedRun(LMRun):
         if lora_of(stored["training"]) is None:
             return super().load(directory, checkpoint, device, stored)
         model = load_lora_run(directory, stored, checkpoint)
-        config = LMConfig.from_stored(stored)
+        config = cast(LMConfig, cls.config_class.from_stored(stored))
         return cls(model.to(device), read_tokenizer(Path(directory)), config, Path(directory), checkpoint)
