@@ -234,3 +234,18 @@ def test_default_targets_are_every_attention_and_feed_forward_projection() -> No
     names = add_lora(model, LoRAConfig())
     assert {n.rsplit(".", 1)[-1] for n in names} == set(DEFAULT_TARGETS)
     assert len(names) == 2 * len(DEFAULT_TARGETS)
+
+
+def test_adapters_off_gives_the_base_exactly_and_restores_them() -> None:
+    from qkv.lora import adapters_off
+
+    base = random_llama()
+    adapted = copy.deepcopy(base)
+    add_lora(adapted, LoRAConfig(rank=4))
+    randomize_b(adapted)
+    ids = torch.randint(0, 97, (2, 12))
+    with torch.no_grad():
+        tuned = adapted(ids)
+        with adapters_off(adapted):
+            assert torch.equal(adapted(ids), base(ids))
+        assert torch.equal(adapted(ids), tuned) and (tuned - base(ids)).abs().max() > 1e-4

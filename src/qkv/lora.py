@@ -16,9 +16,10 @@ plain nn.Linear: the merged model runs as fast as the base and is saved like any
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -153,6 +154,20 @@ def add_lora(model: nn.Module, spec: LoRAConfig) -> list[str]:
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
     """The model's LoRA layers by module name (empty: a plain model)."""
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """Within the block the model is its frozen base: every adapter's scaling is 0 (for a reference model)."""
+    modules = list(lora_modules(model).values())
+    kept = [m.scaling for m in modules]
+    for m in modules:
+        m.scaling = 0.0
+    try:
+        yield
+    finally:
+        for m, scaling in zip(modules, kept, strict=True):
+            m.scaling = scaling
 
 
 @torch.no_grad()

@@ -10,10 +10,10 @@ truncated one would teach replies that stop mid-sentence without their end-of-tu
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from qkv.chat.template import ROLES, ChatTemplate, Message
 from qkv.errors import QkvError
@@ -21,6 +21,7 @@ from qkv.tokenizers import Tokenizer
 
 CHAT_SUFFIXES = (".jsonl", ".ndjson")
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")  # ChatML, Llama 3, Phi-3, Gemma
+T = TypeVar("T")
 FORMAT = '{"messages": [{"role": "user", "content": "…"}, {"role": "assistant", "content": "…"}]}'
 
 
@@ -89,14 +90,23 @@ def check_message(message: Any, where: str) -> Message:
     return {"role": message["role"], "content": message["content"]}
 
 
-def parse_conversation(line: str, number: int, source: str) -> Conversation:
-    """One JSON Lines line as a conversation with at least one assistant message."""
-    where = f"{source} line {number}"
+def json_object(line: str, where: str, what: str, form: str) -> dict[str, Any]:
+    """One JSON Lines line's object, or a one-line error naming `where` it is and the form to write (`what`: one
+    conversation, pair, prompt)."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
-        raise QkvError(f"{where} is not JSON ({e.msg}); write one conversation per line: {FORMAT}") from None
-    if not isinstance(obj, dict) or not isinstance(obj.get("messages"), list):
+        raise QkvError(f"{where} is not JSON ({e.msg}); write one {what} per line: {form}") from None
+    if not isinstance(obj, dict):
+        raise QkvError(f"{where} is not an object; write one {what} per line: {form}")
+    return obj
+
+
+def parse_conversation(line: str, number: int, source: str) -> Conversation:
+    """One JSON Lines line as a conversation with at least one assistant message."""
+    where = f"{source} line {number}"
+    obj = json_object(line, where, "conversation", FORMAT)
+    if not isinstance(obj.get("messages"), list):
         raise QkvError(f"{where} has no \"messages\" list; write one conversation per line: {FORMAT}")
     messages = [check_message(m, f"{where}, message {i + 1}") for i, m in enumerate(obj["messages"])]
     if not any(m["role"] == "assistant" for m in messages):
@@ -104,11 +114,18 @@ def parse_conversation(line: str, number: int, source: str) -> Conversation:
     return Conversation(messages, number)
 
 
+def json_lines(path: str | Path, parse: Callable[[str, int, str], T], what: str, form: str) -> list[T]:
+    """Every non-blank line of a JSON Lines file, parsed by parse(line, number, source); a one-line error for a file
+    that does not exist (`what` it should hold, and its `form`)."""
+    if not Path(path).is_file():
+        raise QkvError(f"--data {path} does not exist; give a JSON Lines file of {what}: {form}")
+    with open(path, encoding="utf-8") as f:
+        return [parse(line, n, str(path)) for n, line in enumerate(f, 1) if line.strip()]
+
+
 def read_conversations(path: str | Path) -> list[Conversation]:
     """Every conversation of a JSON Lines file (blank lines skipped), checked."""
-    path = Path(path)
-    with open(path, encoding="utf-8") as f:
-        found = [parse_conversation(line, n, str(path)) for n, line in enumerate(f, 1) if line.strip()]
+    found = json_lines(path, parse_conversation, "conversations", FORMAT)
     if not found:
         raise QkvError(f"{path} holds no conversations; write one per line: {FORMAT}")
     return found

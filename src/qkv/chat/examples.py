@@ -28,6 +28,20 @@ class ChatBatch:
     n_tokens: int  # tokens read, padding excluded
 
 
+def padded(ids: Sequence[Sequence[int]], masks: Sequence[Sequence[bool]]) -> tuple[Tensor, Tensor]:
+    """Sequences as right-padded inputs x (R, T) and next tokens y (R, T), IGNORE where a token's mask is off or
+    where there is only padding (causal attention: padding is never attended)."""
+    width = max(len(i) for i in ids) - 1
+    x = torch.zeros(len(ids), width, dtype=torch.int64)
+    y = torch.full((len(ids), width), IGNORE, dtype=torch.int64)
+    for r, (row, mask) in enumerate(zip(ids, masks, strict=True)):
+        tokens, trained = torch.tensor(row), torch.tensor(mask)
+        n = len(tokens) - 1
+        x[r, :n] = tokens[:-1]
+        y[r, :n] = tokens[1:].masked_fill(~trained[1:], IGNORE)  # the target at t is token t + 1
+    return x, y
+
+
 @dataclass
 class ChatExamples:
     """Encoded conversations: each one's token ids and loss mask."""
@@ -50,14 +64,7 @@ class ChatExamples:
     def batch(self, indices: Sequence[int], device: torch.device) -> ChatBatch:
         """The conversations at `indices` as one right-padded batch (causal attention: padding is never attended)."""
         rows = [int(i) for i in indices]
-        width = max(len(self.ids[i]) for i in rows) - 1
-        x = torch.zeros(len(rows), width, dtype=torch.int64)
-        y = torch.full((len(rows), width), IGNORE, dtype=torch.int64)
-        for r, i in enumerate(rows):
-            ids, mask = torch.tensor(self.ids[i]), torch.tensor(self.masks[i])
-            n = len(ids) - 1
-            x[r, :n] = ids[:-1]
-            y[r, :n] = ids[1:].masked_fill(~mask[1:], IGNORE)  # the target at t is token t + 1
+        x, y = padded([self.ids[i] for i in rows], [self.masks[i] for i in rows])
         n_targets = int((y != IGNORE).sum())
         n_tokens = sum(len(self.ids[i]) - 1 for i in rows)
         return ChatBatch(x.to(device, non_blocking=True), y.to(device, non_blocking=True), n_targets, n_tokens)

@@ -234,7 +234,7 @@ class Engine:
         token = int(sample_next(logits[None], request.sampling, live.generator)[0])
         live.said += 1
         if token in request.stop_ids:
-            self._finish(live, "stop", live.text.end() if live.text is not None else "")
+            self._finish(live, "stop", live.text.end() if live.text is not None else "", token)
             return
         logprob: float | None = None
         top: tuple[tuple[int, float], ...] = ()
@@ -260,11 +260,11 @@ class Engine:
         else:
             live.next_id = token
 
-    def _finish(self, live: _Live, reason: FinishReason, text: str = "") -> None:
+    def _finish(self, live: _Live, reason: FinishReason, text: str = "", stop_id: int | None = None) -> None:
         """Send Finished and free live's slot (its keys stay, for a prompt that starts the same way)."""
         if live.row >= 0 and self.rows[live.row] is live:
             self.rows[live.row] = None
-        live.emit(Finished(reason, len(live.request.ids), live.said, live.cached, text))
+        live.emit(Finished(reason, len(live.request.ids), live.said, live.cached, text, stop_id))
 
 
 def _collect(tokens: list[Token], done: list[Finished], k: int,

@@ -64,6 +64,7 @@ class Finished:
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens whose keys a slot already held
     text: str = ""  # what could have begun a stop string when a stop token ended the reply
+    stop_id: int | None = None  # the stop token that ended the reply (not sent), if one did
 
 
 Event = Token | Finished

@@ -9,7 +9,6 @@ SFT masks them (qkv.chat.data.encode_reply).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qkv.chat.data import check_message, encode_reply, end_of_turn
-from qkv.chat.examples import IGNORE, VAL_FRACTION
+from qkv.chat.data import check_message, encode_reply, end_of_turn, json_lines, json_object
+from qkv.chat.examples import IGNORE, VAL_FRACTION, padded
 from qkv.chat.template import ChatTemplate, Message
 from qkv.errors import QkvError
 from qkv.tokenizers import Tokenizer
@@ -49,12 +48,7 @@ def _messages(value: Any, role: str, where: str) -> list[Message]:
 def parse_preference(line: str, number: int, source: str) -> Preference:
     """One JSON Lines line as a preference pair, or a one-line error naming the line and the fix."""
     where = f"{source} line {number}"
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise QkvError(f"{where} is not JSON ({e.msg}); write one pair per line: {FORMAT}") from None
-    if not isinstance(obj, dict):
-        raise QkvError(f"{where} is not an object; write one pair per line: {FORMAT}")
+    obj = json_object(line, where, "pair", FORMAT)
     for key in ("chosen", "rejected"):
         if key not in obj:
             raise QkvError(f'{where} has no "{key}"; write one pair per line: {FORMAT}')
@@ -78,11 +72,7 @@ def parse_preference(line: str, number: int, source: str) -> Preference:
 
 def read_preferences(path: str | Path) -> list[Preference]:
     """Every pair of a JSON Lines file (blank lines skipped), checked."""
-    path = Path(path)
-    if not path.is_file():
-        raise QkvError(f"--data {path} does not exist; give a JSON Lines file of preference pairs: {FORMAT}")
-    with open(path, encoding="utf-8") as f:
-        found = [parse_preference(line, n, str(path)) for n, line in enumerate(f, 1) if line.strip()]
+    found = json_lines(path, parse_preference, "preference pairs", FORMAT)
     if not found:
         raise QkvError(f"{path} holds no preference pairs; write one per line: {FORMAT}")
     return found
@@ -122,16 +112,8 @@ class PairExamples:
         return [2 * int(p) for p in pairs] + [2 * int(p) + 1 for p in pairs]
 
     def inputs(self, rows: Sequence[int]) -> tuple[Tensor, Tensor]:
-        """Right-padded inputs (R, T) and targets (R, T) of sequence rows (causal: padding is never attended)."""
-        width = max(len(self.ids[r]) for r in rows) - 1
-        x = torch.zeros(len(rows), width, dtype=torch.int64)
-        y = torch.full((len(rows), width), IGNORE, dtype=torch.int64)
-        for i, r in enumerate(rows):
-            ids, mask = torch.tensor(self.ids[r]), torch.tensor(self.masks[r])
-            n = len(ids) - 1
-            x[i, :n] = ids[:-1]
-            y[i, :n] = ids[1:].masked_fill(~mask[1:], IGNORE)  # the target at t is token t + 1
-        return x, y
+        """Right-padded inputs (R, T) and targets (R, T) of sequence rows, the replies' tokens the only targets."""
+        return padded([self.ids[r] for r in rows], [self.masks[r] for r in rows])
 
     def batch(self, pairs: Sequence[int], device: torch.device) -> PairBatch:
         """The pairs as one batch on device, with their reference log-probabilities."""

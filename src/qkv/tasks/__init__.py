@@ -3,6 +3,7 @@
     lm         a decoder-only language model on text (the default of `qkv train`); from a checkpoint
                (--init-from): fine-tuning (qkv.tasks.finetune), on conversations: chat (qkv.tasks.chat)
     dpo        a checkpoint tuned on preference pairs (direct preference optimisation)
+    grpo       a checkpoint tuned by its own sampled replies' rewards (group relative policy optimisation)
     translate  the encoder–decoder Transformer, German → English (or any TSV of sentence pairs)
     mlm        masked-language-model pretraining of the encoder-only model (BERT's recipe)
     copy       the Annotated Transformer's sanity check: copy digit sequences
@@ -46,6 +47,8 @@ TASKS: dict[str, TaskEntry] = {
                     "a decoder-only language model on text (default: the embedded Shakespeare)"),
     "dpo": TaskEntry("qkv.tasks.dpo", "DPOConfig", "DPOTask", "DPORun", "DPO-tuned language model",
                      "a checkpoint tuned on preference pairs: --init-from CHECKPOINT --data prefs.jsonl (DPO)"),
+    "grpo": TaskEntry("qkv.tasks.grpo", "GRPOConfig", "GRPOTask", "GRPORun", "GRPO-tuned language model",
+                      "a checkpoint tuned on the rewards of its own replies: --init-from CKPT --data prompts.jsonl"),
     "translate": TaskEntry("qkv.tasks.translate", "TranslateConfig", "TranslateTask", "TranslationRun",
                            "translation model", "the encoder–decoder Transformer, German → English (or a TSV)"),
     "mlm": TaskEntry("qkv.tasks.mlm", "MLMConfig", "MLMTask", "MLMRun", "masked language model",
@@ -60,7 +63,7 @@ FINETUNE = TaskEntry("qkv.tasks.finetune", "LMConfig", "FinetuneTask", "Finetune
                      "fine-tuning a checkpoint on text")  # fmt: skip
 CHAT = TaskEntry("qkv.tasks.chat", "LMConfig", "ChatTask", "ChatRun", "chat model", "fine-tuning on conversations")
 LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
-LANGUAGE_MODELS = ("lm", "dpo")  # the tasks whose runs are causal language models: chat, serve, eval --bench read them
+LANGUAGE_MODELS = ("lm", "dpo", "grpo")  # tasks whose runs are causal language models (chat, serve, eval --bench)
 
 
 def _entry(task: str) -> TaskEntry:
@@ -132,10 +135,9 @@ def _finetune_recipe(cfg: RunConfig[Any], settings: dict[str, Any]) -> RunConfig
     init_from = absolute(settings["init_from"])
     assert init_from is not None
     tuned = finetune.recipe(cfg, init_from, lora)  # type: ignore[arg-type]
-    if cfg.task == "dpo":
-        from qkv.tasks import dpo
-
-        return dpo.tuned(tuned)  # type: ignore[arg-type]
+    if cfg.task in ("dpo", "grpo"):  # post-training: its own rates over fine-tuning's
+        post = importlib.import_module(f"qkv.tasks.{cfg.task}")
+        return post.tuned(tuned)
     return chat.recipe(tuned) if is_chat_file(settings.get("data", settings.get("source"))) else tuned
 
 

@@ -76,12 +76,19 @@ class ChatTask(FinetuneTask):
         cfg = self.cfg
         assert cfg.source is not None
         conversations = read_conversations(cfg.source)  # checked before the checkpoint is read: mistakes show at once
-        self.load_base(run_dir, resume)
-        self.cfg = cfg = dataclasses.replace(cfg, block_size=self._block_size())
-        self.tokenizer = load_tokenizer(run_dir) if resume else self.base.tokenizer  # type: ignore[union-attr]
-        self.template = self._template(run_dir if resume else None)
+        self.load_checkpoint(run_dir, resume)
+        cfg = self.cfg
+        assert self.tokenizer is not None
         self.splits: ChatSplits = encode_splits(conversations, self.template, self.tokenizer, cfg.window,
                                                 cfg.model.context_length)  # fmt: skip
+
+    def load_checkpoint(self, run_dir: Path, resume: bool) -> None:
+        """The checkpoint (qkv.tasks.finetune), the block size its context allows, its tokenizer and chat template (a
+        resumed run's own)."""
+        self.load_base(run_dir, resume)
+        self.cfg = dataclasses.replace(self.cfg, block_size=self._block_size())
+        self.tokenizer = load_tokenizer(run_dir) if resume else self.base.tokenizer  # type: ignore[union-attr]
+        self.template = self._template(run_dir if resume else None)
 
     def _block_size(self) -> int:
         """The context conversations get: --block-size, or the checkpoint's (at most MAX_BLOCK_SIZE); never more."""

@@ -31,10 +31,8 @@ from qkv.posttrain.losses import DPOLossKind, dpo_losses, token_logps
 from qkv.posttrain.preferences import PairBatch, PairExamples, PairSplits, encode_pairs, read_preferences
 from qkv.tasks.base import EvalOptions
 from qkv.tasks.chat import ChatTask
-from qkv.tasks.finetune import FinetunedRun
+from qkv.tasks.finetune import FinetunedRun, post_training, recipe_as
 from qkv.tasks.lm import LMConfig
-from qkv.tasks.lm import recipe as lm_recipe
-from qkv.tokenizers import load_tokenizer
 from qkv.training import Evaluation, RunConfig, TrainResult
 from qkv.training.distributed import DistContext
 
@@ -62,14 +60,12 @@ class DPOConfig(LMConfig):
 
 def recipe() -> DPOConfig:
     """The language model's recipe as a DPO config (`qkv train dpo --help` shows it; --init-from makes it tune)."""
-    lm = lm_recipe()
-    return DPOConfig(**{f.name: getattr(lm, f.name) for f in dataclasses.fields(lm)})
+    return recipe_as(DPOConfig)
 
 
 def tuned(cfg: DPOConfig) -> DPOConfig:
     """A fine-tuning recipe made a DPO one: whole pairs up to the checkpoint's context, and DPO's rates."""
-    lr = LORA_LR if cfg.lora is not None else SETTINGS["optim.lr"]
-    return dataclasses.replace(cfg.override({**SETTINGS, "optim.lr": lr}), block_size=None)
+    return post_training(cfg, SETTINGS, LORA_LR)
 
 
 def reply_logps(model: Callable[..., Tensor], examples: PairExamples, batch_size: int, device: torch.device,
@@ -112,11 +108,9 @@ class DPOTask(ChatTask):
         _require_checkpoint_and_pairs(cfg)
         assert cfg.source is not None
         pairs = read_preferences(cfg.source)  # checked before the checkpoint is read: mistakes show at once
-        self.load_base(run_dir, resume)
-        self.cfg = cfg = dataclasses.replace(cfg, block_size=self._block_size())
-        self.tokenizer = load_tokenizer(run_dir) if resume else self.base.tokenizer  # type: ignore[union-attr]
-        self.template = self._template(run_dir if resume else None)
-        self.pairs: PairSplits = encode_pairs(pairs, self.template, self.tokenizer, cfg.window)
+        self.load_checkpoint(run_dir, resume)
+        assert self.tokenizer is not None
+        self.pairs: PairSplits = encode_pairs(pairs, self.template, self.tokenizer, self.cfg.window)
         if resume:
             self._read_reference(run_dir)
         else:

@@ -9,8 +9,9 @@ outside the model. A LoRA run saves its adapters alone and names its base by pat
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar, TypeVar, cast
 
 import torch
 
@@ -21,6 +22,7 @@ from qkv.lora import LoRAConfig
 from qkv.models import DecoderLM, DecoderLMConfig
 from qkv.tasks.base import read_tokenizer
 from qkv.tasks.lm import LMConfig, LMRun, LMTask
+from qkv.tasks.lm import recipe as lm_recipe
 from qkv.tokenizers import load_tokenizer
 from qkv.training import RunConfig
 
@@ -37,6 +39,22 @@ def recipe(base: LMConfig, init_from: str, lora: LoRAConfig | None) -> LMConfig:
     (LoRA's learning rate with adapters)."""
     tuned = base.override({**SETTINGS, "init_from": init_from, **({"optim.lr": LORA_LR} if lora else {})})
     return dataclasses.replace(tuned, model=base_config(init_from), lora=lora)
+
+
+C = TypeVar("C", bound=LMConfig)
+
+
+def recipe_as(cls: type[C]) -> C:
+    """The language model's recipe as a config of `cls`: a post-training task's, whose settings extend it."""
+    lm = lm_recipe()
+    return cls(**{f.name: getattr(lm, f.name) for f in dataclasses.fields(lm)})
+
+
+def post_training(cfg: C, settings: Mapping[str, Any], lora_lr: float) -> C:
+    """A fine-tuning recipe made a post-training one: its settings (lora_lr with adapters), and whole examples up to
+    the checkpoint's context."""
+    lr = lora_lr if cfg.lora is not None else settings["optim.lr"]
+    return dataclasses.replace(cfg.override({**settings, "optim.lr": lr}), block_size=None)
 
 
 class FinetuneTask(LMTask):

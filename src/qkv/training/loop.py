@@ -279,6 +279,7 @@ class _Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
         self.state.tokens_seen += tokens
+        self.task.after_step(self.state.step, ctx.is_main)
         return loss_sum / local
 
     def _micro_batches(self) -> list[Batch]:
@@ -300,7 +301,7 @@ class _Trainer:
         steps = self.state.step - first_step
         tokens_per_s = (self.state.tokens_seen - first_tokens) / max(run_time, 1e-9)
         eta = (self.cfg.schedule.max_steps - self.state.step) * run_time / steps
-        self.progress.update_step(self.state.step, float(loss), tokens_per_s, eta)
+        self.progress.update_step(self.state.step, float(loss), tokens_per_s, eta, self.task.progress_note())
 
     def _evaluate(self, full: bool) -> dict[str, float]:
         """The task's evaluation with dropout off, then back to training mode."""

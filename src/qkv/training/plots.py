@@ -7,7 +7,8 @@ from typing import Any
 
 
 def plot_losses(metrics: list[dict[str, Any]], path: Path, title: str = "Training curves") -> None:
-    """Train and val cross-entropy against optimiser steps, written to `path` (PNG)."""
+    """Train and val cross-entropy (a GRPO run: its loss and held-out reward) against optimiser steps, written to
+    `path` (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: works headless and in CI (imported here: `import qkv` stays light)
@@ -16,9 +17,11 @@ def plot_losses(metrics: list[dict[str, Any]], path: Path, title: str = "Trainin
     steps = [m["step"] for m in metrics]
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     ax.plot(steps, [m["train_loss"] for m in metrics], marker="o", ms=3, label="train")
-    ax.plot(steps, [m["val_loss"] for m in metrics], marker="o", ms=3, label="validation")
+    losses = "val_loss" in metrics[0]  # a GRPO run's evaluation is a reward
+    key = "val_loss" if losses else "val_reward"
+    ax.plot(steps, [m[key] for m in metrics], marker="o", ms=3, label="validation" if losses else "held-out reward")
     ax.set_xlabel("optimiser step")
-    ax.set_ylabel("cross-entropy loss (nats / token)")
+    ax.set_ylabel("cross-entropy loss (nats / token)" if losses else "loss, and mean reward")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()

@@ -14,7 +14,7 @@ class Progress(ProgressLine):
         super().__init__(stream, enabled)
         self.total = total_steps
 
-    def update_step(self, step: int, loss: float, tokens_per_s: float, eta_s: float) -> None:
-        """Redraw the bar for this step."""
-        text = f"step {step}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  ETA {clock(eta_s)}"
+    def update_step(self, step: int, loss: float, tokens_per_s: float, eta_s: float, note: str = "") -> None:
+        """Redraw the bar for this step (note: the task's own measures of it, e.g. GRPO's rewards)."""
+        text = f"step {step}/{self.total}  loss {loss:.4f}  {note}{tokens_per_s:,.0f} tok/s  ETA {clock(eta_s)}"
         self.update(step / max(1, self.total), text, final=step >= self.total)

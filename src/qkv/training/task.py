@@ -164,6 +164,13 @@ class Task(ABC):
     def evaluate(self, ev: Evaluation) -> dict[str, float]:
         """Validation measures, each named val_*: val_loss and the task's own (every process calls this)."""
 
+    def after_step(self, step: int, is_main: bool) -> None:  # noqa: B027 (a hook: most tasks have no use for it)
+        """Called after each optimiser step (step: the steps done), on every process: a task's own per-step log."""
+
+    def progress_note(self) -> str:
+        """The task's own measures of its latest step for the progress bar, ending in two spaces (none: "")."""
+        return ""
+
     @property
     def partial_evaluation(self) -> bool:
         """True if periodic evaluations read only part of the validation split (the final one reads it all)."""
