@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from qkv.chat import stop_ids
-from qkv.chat.examples import IGNORE, VAL_FRACTION
+from qkv.chat.examples import IGNORE, VAL_FRACTION, padded
 from qkv.chat.template import ChatTemplate
 from qkv.config import option
 from qkv.engine import Engine, Request
@@ -120,18 +120,6 @@ def sample(model: DecoderLM, tokenizer: Tokenizer, prompts: list[list[int]], see
     return out
 
 
-def _rows(prompts: list[list[int]], replies: list[list[int]]) -> tuple[Tensor, Tensor]:
-    """Right-padded inputs (B, T) and targets (B, T) of prompt + reply rows, the reply's tokens the only targets."""
-    width = max(len(p) + len(r) for p, r in zip(prompts, replies, strict=True)) - 1
-    x = torch.zeros(len(prompts), width, dtype=torch.int64)
-    y = torch.full((len(prompts), width), IGNORE, dtype=torch.int64)
-    for i, (p, r) in enumerate(zip(prompts, replies, strict=True)):
-        ids = torch.tensor(p + r)
-        x[i, : len(ids) - 1] = ids[:-1]
-        y[i, len(p) - 1 : len(ids) - 1] = ids[len(p) :]
-    return x, y
-
-
 class GRPOTask(ChatTask):
     """Raise the reward of the policy's own replies, group by group."""
 
@@ -213,17 +201,18 @@ class GRPOTask(ChatTask):
         assert policy is not None and self.tokenizer is not None
         chosen = [(int(i), int(s)) for i, s in examples.tolist()]
         prompts = [self.train_ids[i] for i, _ in chosen]
+        rows = [p for p in prompts for _ in range(cfg.group)]
         was_training = policy.training
-        policy.eval()
+        policy.eval()  # sampling, and the reference's log-probabilities, without dropout
         with torch.no_grad():
             replies = sample(policy, self.tokenizer, prompts, [s for _, s in chosen], cfg.group,
                              cfg.max_completion_tokens, cfg.temperature, self.stops)  # fmt: skip
+            x, y = padded([p + r for p, (r, _) in zip(rows, replies, strict=True)],
+                          [[False] * len(p) + [True] * len(r) for p, (r, _) in zip(rows, replies, strict=True)])
+            reference = self._reference(x, y) if cfg.beta > 0 else None
         policy.train(was_training)
-        rows = [p for p in prompts for _ in range(cfg.group)]
         rewards = torch.tensor(self._scores(chosen, replies))
         advantages, equal = group_advantages(rewards, cfg.group)
-        x, y = _rows(rows, [ids for ids, _ in replies])
-        reference = self._reference(x, y) if cfg.beta > 0 else None
         self._record(rewards, equal, replies)
         n_targets = int((y != IGNORE).sum())
         return RolloutBatch(x.to(device), y.to(device), advantages.to(device),
