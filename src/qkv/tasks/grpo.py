@@ -209,7 +209,8 @@ class GRPOTask(ChatTask):
                              cfg.max_completion_tokens, cfg.temperature, self.stops)  # fmt: skip
             x, y = padded([p + r for p, (r, _) in zip(rows, replies, strict=True)],
                           [[False] * len(p) + [True] * len(r) for p, (r, _) in zip(rows, replies, strict=True)])
-            reference = self._reference(x, y) if cfg.beta > 0 else None
+            on = next(policy.parameters()).device
+            reference = self._reference(x.to(on), y.to(on)) if cfg.beta > 0 else None
         policy.train(was_training)
         rewards = torch.tensor(self._scores(chosen, replies))
         advantages, equal = group_advantages(rewards, cfg.group)
@@ -333,7 +334,7 @@ def held_out_reward(model: DecoderLM, tokenizer: Tokenizer, prompts: list[Prompt
         replies = sample(model, tokenizer, [ids[i] for i in mine], [0] * len(mine), 1, cfg.max_completion_tokens,
                          0.0, task.stops)  # fmt: skip
         total = sum(task._score(prompts[i], r) for i, (r, _) in zip(mine, replies, strict=True))
-    sums = torch.tensor([total], dtype=torch.float64)
+    sums = torch.tensor([total], dtype=torch.float64, device=next(model.parameters()).device)  # NCCL: on the GPU
     if world > 1:
         dist.all_reduce(sums)
     return float(sums[0]) / len(prompts)
