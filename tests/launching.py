@@ -61,3 +61,13 @@ def excerpt(root: Path) -> Path:
     path = root / "excerpt.txt"
     path.write_text(load_shakespeare()[:20_000], encoding="utf-8")
     return path
+
+
+def one_and_two(args: list[str], cwd: Path) -> tuple[Path, Path]:
+    """`qkv train ARGS` on one process with batch 4 and on 2 gloo processes with batch 2 each (the same global batch);
+    their run directories, both runs checked to have ended well."""
+    runs = (cwd / "one", cwd / "two")
+    for out, extra in zip(runs, (["--batch-size", "4"], ["--batch-size", "2", "--nproc", "2"]), strict=True):
+        done = run_command([*QKV_TRAIN, *args, *extra, "--out-dir", str(out)], cwd)
+        assert done.returncode == 0, done.stderr
+    return runs

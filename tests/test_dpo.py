@@ -126,16 +126,11 @@ def test_dpo_without_a_checkpoint_or_template_says_what_to_give(capsys: pytest.C
 
 def test_two_processes_train_as_one(setup: dict[str, Path], tmp_path: Path) -> None:
     """2 gloo processes of 2 pairs each equal 1 process of 4 (the reference computed alike on each)."""
-    from launching import QKV_TRAIN, run_command, weights_diff
+    from launching import one_and_two, weights_diff
 
     common = ["dpo", "--init-from", str(setup["base"]), "--data", str(setup["prefs"]), "--chat-template",
               str(setup["template"]), "--max-steps", "2", "--eval-interval", "2", "--lr", "1e-3",
               "--device", "cpu"]  # fmt: skip
-    one = run_command([*QKV_TRAIN, *common, "--batch-size", "4", "--out-dir", str(tmp_path / "one")], tmp_path)
-    assert one.returncode == 0, one.stderr
-    two = run_command([*QKV_TRAIN, *common, "--batch-size", "2", "--nproc", "2", "--out-dir", str(tmp_path / "two")],
-                      tmp_path)  # fmt: skip
-    assert two.returncode == 0, two.stderr
-    assert weights_diff(tmp_path / "one", tmp_path / "two") < 1e-5
-    assert torch.equal(load_file(tmp_path / "one" / REFERENCE_FILE)["train"],
-                       load_file(tmp_path / "two" / REFERENCE_FILE)["train"])  # fmt: skip
+    one, two = one_and_two(common, tmp_path)
+    assert weights_diff(one, two) < 1e-5
+    assert torch.equal(load_file(one / REFERENCE_FILE)["train"], load_file(two / REFERENCE_FILE)["train"])

@@ -142,17 +142,13 @@ def test_the_built_in_verifiers() -> None:
 def test_two_processes_sample_and_train_as_one(setup: dict[str, Path], tmp_path: Path) -> None:
     """2 gloo processes of 2 prompts each equal 1 process of 4: each reply is seeded by its prompt's draw, so the split
     changes no reply, and the loss is the mean over all reply tokens either way."""
-    from launching import QKV_TRAIN, run_command, weights_diff
+    from launching import one_and_two, weights_diff
 
     common = ["grpo", "--init-from", str(setup["base"]), "--data", str(setup["prompts"]), "--reward",
               f"{setup['reward']}:vowels", "--group", "4", "--max-completion-tokens", "6", "--max-steps", "2",
               "--eval-interval", "2", "--lr", "1e-3", "--device", "cpu"]  # fmt: skip
-    one = run_command([*QKV_TRAIN, *common, "--batch-size", "4", "--out-dir", str(tmp_path / "one")], tmp_path)
-    assert one.returncode == 0, one.stderr
-    two = run_command([*QKV_TRAIN, *common, "--batch-size", "2", "--nproc", "2", "--out-dir", str(tmp_path / "two")],
-                      tmp_path)  # fmt: skip
-    assert two.returncode == 0, two.stderr
-    assert weights_diff(tmp_path / "one", tmp_path / "two") < 1e-5
-    metrics = [json.loads((tmp_path / run / "metrics.jsonl").read_text().splitlines()[-1]) for run in ("one", "two")]
+    one, two = one_and_two(common, tmp_path)
+    assert weights_diff(one, two) < 1e-5
+    metrics = [json.loads((run / "metrics.jsonl").read_text().splitlines()[-1]) for run in (one, two)]
     assert metrics[0]["val_reward"] == metrics[1]["val_reward"]
     assert abs(metrics[0]["train_loss"] - metrics[1]["train_loss"]) < 1e-6
