@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import config, model_cfg, run_main, subprocess_env, tiny_data, tiny_settings
-from hypothesis import assume, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from qkv import DecoderLM
@@ -91,7 +91,7 @@ def test_the_mask_covers_each_reply_and_its_im_end_exactly(smollm2: Any) -> None
         assert [tokenizer.decode(run) for run in _masked_runs(ids, mask)] == replies
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])  # assume() drops texts the template cannot hold
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])  # assume() filters
 @given(st.lists(st.tuples(st.text(min_size=1, max_size=30), st.text(min_size=1, max_size=30)), min_size=1, max_size=3),
        st.booleans())  # fmt: skip
 def test_the_mask_is_exact_for_any_text(smollm2: Any, turns: list[tuple[str, str]], system: bool) -> None:
