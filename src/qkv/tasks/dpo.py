@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from qkv.config import option
 from qkv.errors import QkvError
-from qkv.io.devices import resolve_device
+from qkv.io.devices import autocast_context, resolve_device, resolve_dtype
 from qkv.io.files import file_sha256
 from qkv.io.invocation import program
 from qkv.io.progress import ProgressLine, batch_progress
@@ -117,14 +117,16 @@ class DPOTask(ChatTask):
             self._compute_reference()
 
     def _compute_reference(self) -> None:
-        """The checkpoint's log-probability of every reply, on the run's device, with progress on a long read."""
+        """The checkpoint's log-probability of every reply, on the run's device and under the run's mixed precision
+        (so that step 1's log-ratio is 0, as TRL's is), with progress on a long read."""
         assert self.base is not None
         device = resolve_device(self.cfg.system.device)
         model = self.base.model.to(device).eval()
         line = ProgressLine()
         for part, examples in (("training", self.pairs.train), ("validation", self.pairs.val)):
             show = batch_progress(line, f"reference log-probabilities of the {part} pairs")
-            examples.reference = reply_logps(model, examples, self.cfg.data.batch_size, device, show)
+            with autocast_context(device, resolve_dtype(self.cfg.system.dtype, device)):
+                examples.reference = reply_logps(model, examples, self.cfg.data.batch_size, device, show)
         line.close_if_drawn()
         model.cpu()
 
