@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 import qkv
-from qkv.cli import bench, chat, convert, explore, interpret, lab, prepare, runs, serve, train
+from qkv.cli import bench, chat, convert, explore, interpret, lab, prepare, runs, sae, serve, train
 from qkv.cli.common import Parser, key_value
 from qkv.errors import QkvError
 
@@ -48,6 +48,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if command == "train":  # its options depend on the task, so it parses its own arguments
             return train.main(argv[1:])
+        if argv[:3] == ["interpret", "sae", "train"]:  # `qkv train sae` with the model first
+            return train.main(sae.train_argv(argv))
         parser = build_parser()
         args = parser.parse_args(argv)
         if args.command is None:

@@ -5,6 +5,7 @@
     qkv interpret heads RUN                      # induction and previous-token scores of every head
     qkv interpret attribution RUN --prompt … --answer " Paris" --wrong " Rome"
     qkv interpret hooks RUN [--prompt … --hook NAME [--head H]]
+    qkv interpret sae train RUN --hook NAME --data DIR   # a sparse autoencoder (qkv.cli.sae: also features)
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from qkv.cli import sae
 from qkv.cli.common import CHECKPOINTS, MODEL_HELP
 from qkv.errors import QkvError
 
@@ -19,7 +21,8 @@ from qkv.errors import QkvError
 def register(sub: Any) -> None:
     """Add interpret and its views to the `qkv` sub-parsers."""
     parser = sub.add_parser("interpret", help="look inside a model: logit lens, activation patching, induction "
-                                              "heads, logit attribution, named activations")  # fmt: skip
+                                              "heads, logit attribution, named activations, sparse "
+                                              "autoencoders")  # fmt: skip
     parser.set_defaults(handler=lambda args: parser.print_help() or 0)
     views = parser.add_subparsers(dest="view", metavar="VIEW")
 
@@ -53,6 +56,7 @@ def register(sub: Any) -> None:
     p.add_argument("--prompt", help="run the model on this text and show --hook's values")
     p.add_argument("--hook", help="an activation's name (see the list without --prompt)")
     p.add_argument("--head", type=int, help="for an attention pattern: the head to print")
+    sae.register(views)
 
 
 def _run(args: argparse.Namespace) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from torch import nn
 
 from qkv.errors import QkvError
@@ -34,14 +36,18 @@ def model_type_of(model: nn.Module) -> str:
     for name, cls in (("decoder_lm", DecoderLM), ("encoder", EncoderModel), ("transformer", Transformer)):
         if isinstance(model, cls):
             return name
+    cfg = getattr(model, "cfg", None)  # another model a task trains (an SAE): its config names its type
+    if isinstance(cfg, ModelConfig) and cfg.model_type:
+        return cfg.model_type
     raise QkvError(f"{type(model).__name__} is not a qkv model")
 
 
-def config_of(model: nn.Module) -> QkvConfig:
-    """A qkv model's config."""
-    if not isinstance(model, (DecoderLM, EncoderModel, Transformer)):
-        raise QkvError(f"{type(model).__name__} is not a qkv model")
-    return model.cfg
+def config_of(model: nn.Module) -> ModelConfig:
+    """A qkv model's config (or that of another model a task trains, whose config names its type)."""
+    cfg = getattr(model, "cfg", None)
+    if isinstance(model, (DecoderLM, EncoderModel, Transformer)) or (isinstance(cfg, ModelConfig) and cfg.model_type):
+        return cast(ModelConfig, cfg)
+    raise QkvError(f"{type(model).__name__} is not a qkv model")
 
 
 def config_from_dict(model_type: str, data: dict[str, object]) -> QkvConfig:

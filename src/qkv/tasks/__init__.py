@@ -8,6 +8,7 @@
     mlm        masked-language-model pretraining of the encoder-only model (BERT's recipe)
     copy       the Annotated Transformer's sanity check: copy digit sequences
     reverse    … and reverse them
+    sae        a sparse autoencoder on a frozen model's activations at one hook (`qkv interpret sae train`)
 Each task is a config class (its settings), a recipe (a function returning the whole config of its default run), a
 Task (what it supplies to the one loop in qkv.training.loop) and a LoadedRun (a trained run loaded back). This
 registry is the one place that picks them: a base class never imports its variants.
@@ -57,6 +58,8 @@ TASKS: dict[str, TaskEntry] = {
                       "sanity check: copy random digit sequences"),
     "reverse": TaskEntry("qkv.tasks.toy", "ReverseConfig", "ReverseTask", "ReverseRun", "reverse-task model",
                          "sanity check: reverse random digit sequences", recipe="reverse_recipe"),
+    "sae": TaskEntry("qkv.tasks.sae", "SAETrainConfig", "SAETask", "SAERun", "sparse autoencoder",
+                     "a sparse autoencoder on a model's activations: --lm MODEL --hook NAME --data DIR"),
 }  # fmt: skip
 # A language model that starts from a checkpoint: fine-tuning, or chat on a file of conversations.
 FINETUNE = TaskEntry("qkv.tasks.finetune", "LMConfig", "FinetuneTask", "FinetunedRun", "fine-tuned language model",

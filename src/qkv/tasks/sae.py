@@ -1,0 +1,352 @@
+"""The SAE task (`qkv interpret sae train MODEL --hook NAME --data DIR`, or `qkv train sae --lm MODEL …`): a sparse
+autoencoder (qkv.sae) trained, through the one loop, on a language model's activations at one named hook.
+
+The language model is any decoder-only checkpoint (a qkv run, a .gguf file, a Hugging Face or `qkv convert`
+directory); it stays frozen and outside the loop, which trains only the SAE. The activations come from prepared
+shards (`qkv prepare`, with the model's tokenizer), read on the fly through a bounded, shuffled buffer
+(qkv.sae.activations). Before the first step the task measures, on a sample of its own, the input scale (mean norm
+√d) and the geometric median that b_dec starts at. A step's batch is --batch-size activations. Evaluations read
+held-out windows of the validation split: FVU and L0 each time, and the losses with the SAE spliced in (loss
+recovered) in the last one and in `qkv eval`. The lowest held-out FVU keeps model.safetensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, cast
+
+import torch
+from torch import Tensor
+
+from qkv.config import option
+from qkv.data.tokens import TokenData, open_data
+from qkv.errors import QkvError
+from qkv.finetune.base import Base, load_base
+from qkv.interpret.hooks import check_name, hook_sites
+from qkv.io.invocation import program
+from qkv.io.run_dir import CHECKPOINT_DIR, read_run_config
+from qkv.sae import SAEConfig, SparseAutoencoder
+from qkv.sae.activations import ActivationStream, Filters, geometric_median
+from qkv.sae.measures import eval_windows, sae_measures
+from qkv.tasks.base import EvalOptions, LoadedRun
+from qkv.training import Evaluation, RunConfig, Task, TrainResult
+from qkv.training.config import DataConfig, EvalConfig, OptimConfig, ScheduleConfig
+
+READABLE = ("resid_pre", "resid_mid", "resid_post", "attn_out", "ffn_out")  # hooks of width d_model, one per position
+INIT_ROWS = 16_384  # activations sampled for the input scale and b_dec's starting point
+
+
+@dataclass(frozen=True, kw_only=True)
+class SAETrainConfig(RunConfig[SAEConfig]):
+    """How to train an SAE: the model and hook it reads, the data, and what the activation stream keeps."""
+
+    task: ClassVar[str] = "sae"
+    model_class: ClassVar[type[SAEConfig]] = SAEConfig
+    paths: ClassVar[tuple[str, ...]] = ("lm", "source")
+
+    lm: str | None = option(None, "the language model whose activations the SAE reads: a qkv run, a .gguf file, a "
+                            "Hugging Face or `qkv convert` directory", fixed=True)  # fmt: skip
+    hook: str | None = option(None, "the activation read (`qkv interpret hooks MODEL` lists them); none: the residual "
+                              "stream entering the middle layer", fixed=True)  # fmt: skip
+    source: str | None = option(None, "a data directory from `qkv prepare`, made with the model's tokenizer",
+                                fixed=True, flag="data")  # fmt: skip
+    block_size: int = option(128, "tokens per window the model reads", fixed=True)
+    buffer_tokens: int = option(65_536, "activations held and shuffled at once (memory: this × width × 4 bytes)",
+                                fixed=True)  # fmt: skip
+    drop_first: bool = option(True, "drop each window's first position (the attention sink)", fixed=True)
+    max_norm_ratio: float | None = option(10.0, "drop activations whose norm is above this × the median (none: keep "
+                                          "all)", fixed=True)  # fmt: skip
+    b_dec_init: str = option("median", "b_dec's starting point: median (geometric), mean or zeros", fixed=True)
+    eval_windows: int = option(64, "held-out windows each evaluation reads")
+
+    def check(self) -> None:
+        """The shared checks, then the stream's."""
+        super().check()
+        if self.block_size < 2 or self.buffer_tokens < 1 or self.eval_windows < 1:
+            raise QkvError("block-size must be ≥ 2, buffer-tokens and eval-windows ≥ 1")
+        if self.b_dec_init not in ("median", "mean", "zeros"):
+            raise QkvError(f"b-dec-init must be median, mean or zeros, got {self.b_dec_init!r}")
+        if self.max_norm_ratio is not None and self.max_norm_ratio <= 1:
+            raise QkvError(f"max-norm-ratio must be above 1 (or none), got {self.max_norm_ratio}")
+        if self.system.compile:
+            raise QkvError("--compile is not supported for SAE training; drop it")
+
+    @property
+    def filters(self) -> dict[str, Any]:
+        """The stream's position filters, as saved in config.json."""
+        return {"drop_first": self.drop_first, "max_norm_ratio": self.max_norm_ratio}
+
+
+def recipe() -> SAETrainConfig:
+    """A TopK SAE, 8 latents per dimension, k = 32, on 500 steps of 4,096 activations (about 2 M tokens), Adam at
+    4e-4 (Gao et al.'s rate for this width) with a short warm-up and a linear decay, gradients clipped at 1."""
+    return SAETrainConfig(model=SAEConfig.of(), data=DataConfig(batch_size=4096),
+                          optim=OptimConfig(lr=4e-4, weight_decay=0.0, beta2=0.999, grad_clip=1.0),
+                          schedule=ScheduleConfig(decay="linear", warmup_steps=25, max_steps=500, min_lr=0.0),
+                          eval=EvalConfig(interval=100))  # fmt: skip
+
+
+@dataclass
+class SAEBatch:
+    """One micro-batch of activations (N, d) on its device."""
+
+    x: Tensor
+
+    @property
+    def n_targets(self) -> int:
+        """Each activation is one target."""
+        return len(self.x)
+
+    @property
+    def n_tokens(self) -> int:
+        """Each activation is one token."""
+        return len(self.x)
+
+
+def _width_of(base: Base, hook: str) -> int:
+    """The width of a readable hook, or a one-line error naming the hooks an SAE reads."""
+    if hook.rsplit(".", 1)[-1] not in READABLE:
+        raise QkvError(f"an SAE reads one vector per position: give a hook ending in {', '.join(READABLE)}, not {hook}")
+    return base.model.cfg.d_model
+
+
+def middle_hook(base: Base) -> str:
+    """The residual stream entering the middle layer."""
+    return f"decoder.layers.{base.model.cfg.decoder.n_layers // 2}.resid_pre"
+
+
+def load_subject(cfg: SAETrainConfig, reference: dict[str, Any] | None) -> tuple[Base, str, TokenData]:
+    """The language model (its weights checked against `reference`), the hook, and the data, each checked."""
+    if cfg.lm is None or cfg.source is None:
+        raise QkvError("an SAE reads a model's activations on prepared text: give the model and --data DIR")
+    data = open_data(cfg.source)
+    base = load_base(cfg.lm, reference, role="MODEL")
+    base.model.eval().requires_grad_(False)
+    if data.fingerprint != base.tokenizer.fingerprint():
+        raise QkvError(f"{cfg.source} was prepared with another tokenizer than {cfg.lm}'s; prepare it with "
+                       f"`{program()} prepare INPUT --tokenizer {cfg.lm} --out DIR`")  # fmt: skip
+    hook = cfg.hook or middle_hook(base)
+    check_name(hook_sites(base.model), hook)
+    _width_of(base, hook)
+    return base, hook, data
+
+
+def filters_of(cfg: SAETrainConfig, base: Base) -> Filters:
+    """The run's position filters, with the model's BOS token."""
+    bos = (base.reference.get("metadata") or {}).get("bos_token_id")
+    return Filters(cfg.drop_first, bos if isinstance(bos, int) else None, cfg.max_norm_ratio)
+
+
+def checkpoint_step(run_dir: Path) -> int:
+    """The step of a run's committed checkpoint (0 without one)."""
+    pointer = run_dir / CHECKPOINT_DIR / "latest.json"
+    return int(json.loads(pointer.read_text())["step"]) if pointer.is_file() else 0
+
+
+class SAETask(Task):
+    """Train an SAE on a frozen model's activations; the lowest held-out FVU keeps the best weights."""
+
+    name = "sae"
+    best_metric = "val_fvu"
+
+    def __init__(self, cfg: SAETrainConfig) -> None:
+        super().__init__(cfg)
+        self.cfg: SAETrainConfig = cfg
+        self.start: dict[str, Tensor] = {}  # the input scale and b_dec a new run starts from
+        self.last: dict[str, float] = {}
+
+    @classmethod
+    def run_name(cls, cfg: RunConfig[Any]) -> str:
+        """<model>-<hook>-sae."""
+        sae_cfg = cast(SAETrainConfig, cfg)
+        model = Path(sae_cfg.lm or "model").name.removesuffix(".gguf")
+        return f"{model}-{sae_cfg.hook or 'middle'}-sae".replace("/", "_")
+
+    def setup(self, run_dir: Path, resume: bool) -> None:
+        """Load and check the model, hook and data; open the stream where the run stands; a new run measures the
+        input scale and b_dec's start on a sample of its own."""
+        stored = read_run_config(run_dir).get("base") if resume else None
+        self.base, self.hook, self.data = load_subject(self.cfg, stored)
+        self.cfg = dataclasses.replace(self.cfg, hook=self.hook)
+        self.filters = filters_of(self.cfg, self.base)
+        self.stream = self._stream(self.cfg.system.seed)
+        self.resumed_step = checkpoint_step(run_dir) if resume else 0
+        self.position: int | None = None
+        if not resume:
+            self.start = self._starting_point()
+
+    def _stream(self, seed: int) -> ActivationStream:
+        """The training split's activation stream from a seed."""
+        cfg = self.cfg
+        return ActivationStream(self.base.model, self.hook, self.data.split("train"), cfg.block_size, self.filters,
+                                cfg.buffer_tokens, seed)  # fmt: skip
+
+    def _starting_point(self) -> dict[str, Tensor]:
+        """The input scale (mean norm √d) and b_dec's start, from INIT_ROWS activations of a stream of their own."""
+        rows = self._stream(self.cfg.system.seed + 1).rows(0, min(INIT_ROWS, self.cfg.buffer_tokens))
+        scale = rows.shape[-1] ** 0.5 / rows.norm(dim=-1).mean()
+        scaled = rows * scale
+        b_dec = {"median": geometric_median, "mean": lambda r: r.mean(0), "zeros": lambda r: torch.zeros(r.shape[-1])}
+        return {"input_scale": scale, "b_dec": b_dec[self.cfg.b_dec_init](scaled)}
+
+    def model_config(self) -> SAEConfig:  # type: ignore[override]
+        """The run's SAE over the hook's width, its latents counted."""
+        width = _width_of(self.base, self.hook)
+        cfg = dataclasses.replace(self.cfg.model, d_model=width)
+        return dataclasses.replace(cfg, d_sae=cfg.latents)
+
+    def build_model(self) -> SparseAutoencoder:
+        """The SAE, from the measured input scale and b_dec start (a resumed run's weights are loaded after)."""
+        sae = self.model_config().build()
+        with torch.no_grad():
+            for name, value in self.start.items():
+                getattr(sae, name).copy_(value)
+        return sae
+
+    def describe(self) -> str:
+        """The model, hook and data."""
+        return (f"{self.hook} of {Path(self.base.reference['path']).name}, {self.data.describe()}, "
+                f"{self.cfg.model.architecture} SAE")  # fmt: skip
+
+    def draw(self, generator: torch.Generator, budget: int, parts: int) -> Tensor:
+        """The stream's next `budget` activations (N, d) (a resumed run's first draw finds where it stood)."""
+        if self.position is None:
+            self.position = self.resumed_step * budget
+        rows = self.stream.rows(self.position, budget)
+        self.position += budget
+        return rows
+
+    def collate(self, examples: Any, device: torch.device) -> SAEBatch:
+        """The activations on the device."""
+        return SAEBatch(examples.to(device))
+
+    def logits(self, model: Callable[..., Any], batch: SAEBatch) -> Tensor:
+        """The reconstruction."""
+        return cast(Tensor, model(batch.x))
+
+    def criterion(self, logits: Tensor, batch: SAEBatch) -> Tensor:
+        """The reconstruction's squared error, summed over the width, in the SAE's normalised units."""
+        raise QkvError("an SAE's training loss is SparseAutoencoder.loss (SAETask.loss)")
+
+    def loss(self, model: Callable[..., Any], batch: SAEBatch) -> Tensor:
+        """The SAE's loss on the batch, scaled to its normalised units: MSE plus AuxK (or the L1 penalty)."""
+        if not isinstance(model, SparseAutoencoder):
+            raise QkvError("an SAE trains on one process (no --nproc, no torchrun)")
+        loss = model.loss(batch.x * model.input_scale)
+        self.last = {"mse": float(loss.mse.detach()), "aux": float(loss.auxiliary.detach()),
+                     "l0": float((loss.latents > 0).sum(-1).float().mean())}  # fmt: skip
+        return loss.total
+
+    def progress_note(self) -> str:
+        """The latest step's MSE, auxiliary loss and L0."""
+        if not self.last:
+            return ""
+        return f"mse {self.last['mse']:.3f}  aux {self.last['aux']:.3f}  L0 {self.last['l0']:.1f}  "
+
+    @property
+    def partial_evaluation(self) -> bool:
+        """Periodic evaluations measure FVU and L0; the last one adds the losses."""
+        return True
+
+    def evaluate(self, ev: Evaluation) -> dict[str, float]:
+        """FVU, L0 and the dead share on held-out windows; in the last evaluation, the losses too."""
+        sae = cast(SparseAutoencoder, ev.model)
+        windows = eval_windows(self.data.split("val"), self.cfg.block_size, self.cfg.eval_windows, 8)
+        measures = sae_measures(self.base.model, sae, self.hook, windows, self.filters, losses=ev.full)
+        return {f"val_{k}": v for k, v in measures.items() if k != "tokens"}
+
+    def summary(self, result: TrainResult) -> str:
+        """The held-out measures, and what to run next."""
+        f = result.final
+        recovered = f"loss recovered {f['val_loss_recovered']:.1%}, " if "val_loss_recovered" in f else ""
+        q = program()
+        return "\n".join([
+            f"\nheld-out FVU {f['val_fvu']:.4f}, L0 {f['val_l0']:.1f}, {recovered}dead {f['val_dead_share']:.1%} "
+            f"after {result.step} steps, {result.took()} — run saved in {result.run_dir}",
+            f"more: {q} eval {result.run_dir}  |  {q} interpret features {result.run_dir}"])
+
+    def data_summary(self) -> dict[str, Any] | None:
+        """The data directory, the hook and the filters: where the SAE belongs."""
+        return {"directory": str(self.data.directory), "fingerprint": self.data.fingerprint, "hook": self.hook,
+                "filters": self.cfg.filters}  # fmt: skip
+
+    def base_summary(self) -> dict[str, Any] | None:
+        """The model the SAE reads: path, sha256 of its weights, kind."""
+        return self.base.reference
+
+
+@dataclass
+class SAERun(LoadedRun):
+    """A trained SAE with the model it reads (hash-checked) and its data."""
+
+    model: SparseAutoencoder  # type: ignore[assignment]
+    config: SAETrainConfig
+    config_class: ClassVar[type[RunConfig[Any]]] = SAETrainConfig
+
+    def subject(self) -> tuple[Base, str, TokenData]:
+        """The language model, hook and data the SAE was trained on, the model's weights checked."""
+        stored = read_run_config(self.directory)
+        cfg = dataclasses.replace(self.config, source=(stored.get("data") or {}).get("directory", self.config.source))
+        return load_subject(cfg, stored.get("base"))
+
+    def evaluate(self, options: EvalOptions) -> list[str]:
+        """FVU, L0, the dead share and the loss recovered on the held-out windows."""
+        options.refuse_beam_options(self.task)
+        base, hook, data = self.subject()
+        windows = eval_windows(data.split("val"), self.config.block_size, self.config.eval_windows, options.batch_size)
+        m = sae_measures(base.model, self.model, hook, windows, filters_of(self.config, base))
+        return [f"{hook} of {Path(base.reference['path']).name}, {int(m['tokens']):,} held-out activations "
+                f"({self.checkpoint} weights):",
+                f"  FVU {m['fvu']:.4f}   L0 {m['l0']:.1f}   dead {m['dead_share']:.1%}",
+                f"  next-token loss {m['loss_clean']:.4f} clean, {m['loss_sae']:.4f} with the SAE, "
+                f"{m['loss_zero']:.4f} zero-ablated: loss recovered {m['loss_recovered']:.1%}"]  # fmt: skip
+
+
+@dataclass
+class SAEView:
+    """An SAE ready to read features with: its folded form, the model and hook it reads, its tokenizer, and the
+    data its contexts come from (None for a SAELens directory given without --data)."""
+
+    sae: SparseAutoencoder
+    base: Base
+    hook: str
+    data: TokenData | None
+    block_size: int = 128
+
+
+def open_sae(path: str | Path, lm: str | None = None, data: str | None = None, checkpoint: str = "best",
+             device: str | torch.device = "cpu") -> SAEView:  # fmt: skip
+    """A qkv SAE run (its model and data as recorded, the model hash-checked), or a SAELens directory read with the
+    model `lm` (its hook_name must be one of the model's hooks) and optionally a data directory."""
+    from qkv.sae import load_saelens
+    from qkv.tasks import load
+
+    where = Path(path)
+    if (where / "cfg.json").is_file():
+        if lm is None:
+            raise QkvError(f"{where} is a SAELens SAE: give the model it reads with --lm MODEL")
+        sae, metadata = load_saelens(where)
+        cfg = dataclasses.replace(recipe(), lm=lm, source=data, hook=str(metadata.get("hook_name") or "") or None)
+        if cfg.hook is None:
+            raise QkvError(f"{where / 'cfg.json'} names no hook_name: qkv cannot tell where the SAE reads")
+        if data is not None:
+            base, hook, opened = load_subject(cfg, None)
+        else:
+            base, hook, opened = load_base(lm, role="--lm"), cfg.hook, None
+            base.model.eval().requires_grad_(False)
+            check_name(hook_sites(base.model), hook)
+        if sae.cfg.d_model != _width_of(base, hook):
+            raise QkvError(f"{where} reads activations of width {sae.cfg.d_model}, and {hook} of {lm} has width "
+                           f"{_width_of(base, hook)}: the SAE belongs to another model")  # fmt: skip
+        base.model.to(device)
+        return SAEView(sae.to(device), base, hook, opened, min(128, base.model.cfg.context_length))
+    if lm is not None or data is not None:
+        raise QkvError(f"{where} is an SAE run, which records its model and data: drop --lm and --data")
+    run = load(where, checkpoint, "cpu", expect="sae")
+    base, hook, opened = run.subject()
+    base.model.to(device)
+    return SAEView(run.model.folded().to(device), base, hook, opened, run.config.block_size)
