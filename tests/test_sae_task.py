@@ -86,6 +86,31 @@ def test_resume_is_bit_identical(capsys: pytest.CaptureFixture[str], world: dict
     assert straight.keys() == split.keys() and all(torch.equal(straight[k], split[k]) for k in straight)
 
 
+def test_a_run_on_cached_activations_equals_one_that_computes_them(
+    capsys: pytest.CaptureFixture[str], world: dict[str, Path], tmp_path: Path
+) -> None:
+    """`qkv interpret sae cache` writes the stream's buffers; a run with --activations ends with the weights of a run
+    without. A cache too short for the run, or of another hook, is refused before training, in one line."""
+    code, _, err = run_main(capsys, "interpret", "sae", "cache", str(world["base"]), "--data", str(world["data"]),
+                              "--tokens", "2500", "--out", str(tmp_path / "cache"), "--buffer-tokens", "1000",
+                              "--block-size", "32", "--hook", HOOK)  # fmt: skip
+    assert code == 0, err
+    files = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert files == [f"buffer-0000{i}.safetensors" for i in range(3)] + ["meta.json"]
+    assert _train(capsys, world, tmp_path / "computed", "--max-steps", "8", "--eval-interval", "8")[0] == 0
+    assert _train(capsys, world, tmp_path / "cached", "--max-steps", "8", "--eval-interval", "8", "--activations",
+                  str(tmp_path / "cache"))[0] == 0  # fmt: skip
+    computed, cached = (load_file(tmp_path / d / "last.safetensors") for d in ("computed", "cached"))
+    assert all(torch.equal(computed[k], cached[k]) for k in computed)
+    code, _, err = _train(capsys, world, tmp_path / "long", "--max-steps", "20", "--activations",
+                          str(tmp_path / "cache"))  # fmt: skip
+    assert code == 2 and "cache more or lower --max-steps" in err and not (tmp_path / "long").exists()
+    code, _, err = run_main(capsys, "interpret", "sae", "train", str(world["base"]), "--data", str(world["data"]),
+                            *SAE, "--hook", "decoder.layers.0.resid_pre", "--max-steps", "2", "--activations",
+                            str(tmp_path / "cache"), "--out-dir", str(tmp_path / "other"))  # fmt: skip
+    assert code == 2 and "hook differ" in err, err
+
+
 def test_eval_reports_the_measures_of_the_python_api(capsys: pytest.CaptureFixture[str], sae_run: Path,
                                                      world: dict[str, Path]) -> None:  # fmt: skip
     """`qkv eval SAE_RUN` prints sae_measures' numbers on the run's held-out windows; the loss with the SAE lies

@@ -35,6 +35,17 @@ def register(views: Any) -> None:
     actions = p.add_subparsers(dest="action", metavar="ACTION")
     p.set_defaults(handler=lambda args: p.print_help() or 0)
     actions.add_parser("train", help="train one (the options are `qkv train sae --help`'s)")
+    cache = actions.add_parser("cache", help="compute a model's activations once and write them to disk (train on "
+                                             "them with --activations DIR)")  # fmt: skip
+    cache.add_argument("lm", metavar="MODEL")
+    cache.add_argument("--data", required=True, help="a data directory prepared with the model's tokenizer")
+    cache.add_argument("--tokens", type=int, required=True, help="activations to write (rounded up to whole buffers)")
+    cache.add_argument("--out", required=True, help="the cache's directory (a partial one is completed)")
+    cache.add_argument("--hook", help="the activation (default: the residual stream entering the middle layer)")
+    for flag, kind in (("--block-size", int), ("--buffer-tokens", int), ("--seed", int), ("--max-norm-ratio", float),
+                       ("--device", str)):  # fmt: skip
+        cache.add_argument(flag, type=kind, help=f"as `qkv train sae {flag}`")
+    cache.set_defaults(handler=cmd_cache)
     export = actions.add_parser("export", help="write an SAE run in SAELens's format (cfg.json + weights)")
     export.add_argument("run_dir", metavar="RUN")
     export.add_argument("out", metavar="OUT", help="a new directory")
@@ -59,6 +70,22 @@ def register(views: Any) -> None:
     f.add_argument("--top", type=int, default=8, help="contexts, latents or tokens shown (default 8)")
     f.add_argument("--seed", type=int, default=0, help="--random's draw")
     f.set_defaults(handler=cmd_features)
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    """Write the activation cache a run with --activations reads."""
+    from qkv.tasks import recipe
+    from qkv.tasks.sae import cache_activations
+
+    if args.tokens < 1:
+        raise QkvError(f"--tokens must be ≥ 1, got {args.tokens}")
+    names = ("hook", "block_size", "buffer_tokens", "seed", "max_norm_ratio", "device")
+    given = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+    where = cache_activations(recipe("sae", {"lm": args.lm, "data": args.data, **given}), args.tokens,
+                              args.out)  # fmt: skip
+    print(f"wrote {where}: train on it with `qkv interpret sae train {args.lm} --data {args.data} --activations "
+          f"{where}`")
+    return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -69,7 +69,27 @@ class Filters:
         return mask
 
 
-class ActivationStream:
+class Buffered:
+    """Rows at any position of a sequence kept as numbered buffers of buffer_tokens rows each."""
+
+    buffer_tokens: int
+
+    def buffer(self, index: int) -> Tensor:
+        """(buffer_tokens, d) buffer `index`."""
+        raise NotImplementedError
+
+    def rows(self, start: int, count: int) -> Tensor:
+        """(count, d) rows start … start + count − 1."""
+        parts = []
+        while count > 0:
+            index, offset = divmod(start, self.buffer_tokens)
+            take = min(count, self.buffer_tokens - offset)
+            parts.append(self.buffer(index)[offset : offset + take])
+            start, count = start + take, count - take
+        return torch.cat(parts)
+
+
+class ActivationStream(Buffered):
     """Shuffled rows of activations at any position of an endless, reproducible stream (module docstring)."""
 
     def __init__(self, model: nn.Module, hook: str, split: TokenSplit, block_size: int, filters: Filters,
@@ -81,16 +101,6 @@ class ActivationStream:
         self.windows_per_pass = windows_per_pass
         self._buffer: tuple[int, Tensor] | None = None  # (index, rows) of the buffer held
         self.on_fill: Callable[[int, int], None] | None = None  # (rows kept so far, buffer_tokens) while filling
-
-    def rows(self, start: int, count: int) -> Tensor:
-        """(count, d) rows start … start + count − 1 of the stream."""
-        parts = []
-        while count > 0:
-            index, offset = divmod(start, self.buffer_tokens)
-            take = min(count, self.buffer_tokens - offset)
-            parts.append(self.buffer(index)[offset : offset + take])
-            start, count = start + take, count - take
-        return torch.cat(parts)
 
     def buffer(self, index: int) -> Tensor:
         """(buffer_tokens, d) buffer `index`, shuffled: the one held, or filled anew."""

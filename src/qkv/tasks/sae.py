@@ -27,10 +27,12 @@ from qkv.data.tokens import TokenData, open_data
 from qkv.errors import QkvError
 from qkv.finetune.base import Base, load_base
 from qkv.interpret.hooks import check_name, hook_sites
+from qkv.io.devices import resolve_device
 from qkv.io.invocation import program
 from qkv.io.run_dir import CHECKPOINT_DIR, read_run_config
 from qkv.sae import SAEConfig, SparseAutoencoder
-from qkv.sae.activations import ActivationStream, Filters, geometric_median
+from qkv.sae.activations import ActivationStream, Buffered, Filters, geometric_median
+from qkv.sae.cache import CachedStream, write_cache
 from qkv.sae.measures import eval_windows, sae_measures
 from qkv.tasks.base import EvalOptions, LoadedRun
 from qkv.training import Evaluation, RunConfig, Task, TrainResult
@@ -46,7 +48,7 @@ class SAETrainConfig(RunConfig[SAEConfig]):
 
     task: ClassVar[str] = "sae"
     model_class: ClassVar[type[SAEConfig]] = SAEConfig
-    paths: ClassVar[tuple[str, ...]] = ("lm", "source")
+    paths: ClassVar[tuple[str, ...]] = ("lm", "source", "activations")
 
     lm: str | None = option(None, "the language model whose activations the SAE reads: a qkv run, a .gguf file, a "
                             "Hugging Face or `qkv convert` directory", fixed=True)  # fmt: skip
@@ -54,6 +56,8 @@ class SAETrainConfig(RunConfig[SAEConfig]):
                               "stream entering the middle layer", fixed=True)  # fmt: skip
     source: str | None = option(None, "a data directory from `qkv prepare`, made with the model's tokenizer",
                                 fixed=True, flag="data")  # fmt: skip
+    activations: str | None = option(None, "read the activations from this cache (`qkv interpret sae cache`) "
+                                     "instead of computing them", fixed=True)  # fmt: skip
     block_size: int = option(128, "tokens per window the model reads", fixed=True)
     buffer_tokens: int = option(65_536, "activations held and shuffled at once (memory: this × width × 4 bytes)",
                                 fixed=True)  # fmt: skip
@@ -119,13 +123,15 @@ def middle_hook(base: Base) -> str:
     return f"decoder.layers.{base.model.cfg.decoder.n_layers // 2}.resid_pre"
 
 
-def load_subject(cfg: SAETrainConfig, reference: dict[str, Any] | None) -> tuple[Base, str, TokenData]:
-    """The language model (its weights checked against `reference`), the hook, and the data, each checked."""
+def load_subject(cfg: SAETrainConfig, reference: dict[str, Any] | None,
+                 device: str | torch.device = "cpu") -> tuple[Base, str, TokenData]:  # fmt: skip
+    """The language model (its weights checked against `reference`) on `device`, the hook, and the data, each
+    checked."""
     if cfg.lm is None or cfg.source is None:
         raise QkvError("an SAE reads a model's activations on prepared text: give the model and --data DIR")
     data = open_data(cfg.source)
     base = load_base(cfg.lm, reference, role="MODEL")
-    base.model.eval().requires_grad_(False)
+    base.model.eval().requires_grad_(False).to(device)
     if data.fingerprint != base.tokenizer.fingerprint():
         raise QkvError(f"{cfg.source} was prepared with another tokenizer than {cfg.lm}'s; prepare it with "
                        f"`{program()} prepare INPUT --tokenizer {cfg.lm} --out DIR`")  # fmt: skip
@@ -141,10 +147,33 @@ def filters_of(cfg: SAETrainConfig, base: Base) -> Filters:
     return Filters(cfg.drop_first, bos if isinstance(bos, int) else None, cfg.max_norm_ratio)
 
 
+def cache_about(cfg: SAETrainConfig, base: Base, hook: str, data: TokenData) -> dict[str, Any]:
+    """What an activation cache records of where its rows come from."""
+    return {"model": {k: base.reference[k] for k in ("path", "sha256", "kind")}, "hook": hook,
+            "filters": cfg.filters, "data": {"directory": str(data.directory.resolve()), "tokenizer": data.fingerprint}}
+
+
 def checkpoint_step(run_dir: Path) -> int:
     """The step of a run's committed checkpoint (0 without one)."""
     pointer = run_dir / CHECKPOINT_DIR / "latest.json"
     return int(json.loads(pointer.read_text())["step"]) if pointer.is_file() else 0
+
+
+def cache_activations(cfg: SAETrainConfig, tokens: int, out: str | Path) -> Path:
+    """Write the first `tokens` activations of the stream a run of `cfg` trains on (its seed's) into `out`, with
+    progress; a later run with --activations OUT reads them instead of computing them."""
+    from qkv.io.progress import ProgressLine, batch_progress
+
+    base, hook, data = load_subject(cfg, None, resolve_device(cfg.system.device))
+    filters = filters_of(cfg, base)
+    stream = ActivationStream(base.model, hook, data.split("train"), cfg.block_size, filters, cfg.buffer_tokens,
+                              cfg.system.seed)  # fmt: skip
+    line = ProgressLine()
+    show = batch_progress(line, f"caching {tokens:,} activations of {hook}", after_s=0.0)
+    where = write_cache(stream, tokens, out, {**cache_about(cfg, base, hook, data), "block_size": cfg.block_size},
+                        show)  # fmt: skip
+    line.close_if_drawn()
+    return where
 
 
 class SAETask(Task):
@@ -170,10 +199,12 @@ class SAETask(Task):
         """Load and check the model, hook and data; open the stream where the run stands; a new run measures the
         input scale and b_dec's start on a sample of its own."""
         stored = read_run_config(run_dir).get("base") if resume else None
-        self.base, self.hook, self.data = load_subject(self.cfg, stored)
+        self.base, self.hook, self.data = load_subject(self.cfg, stored, resolve_device(self.cfg.system.device))
         self.cfg = dataclasses.replace(self.cfg, hook=self.hook)
         self.filters = filters_of(self.cfg, self.base)
-        self.stream = self._stream(self.cfg.system.seed)
+        self.stream: Buffered = self._stream(self.cfg.system.seed)
+        if self.cfg.activations is not None:
+            self.stream = self._cached(self.cfg.activations)
         self.resumed_step = checkpoint_step(run_dir) if resume else 0
         self.position: int | None = None
         if not resume:
@@ -184,6 +215,23 @@ class SAETask(Task):
         cfg = self.cfg
         return ActivationStream(self.base.model, self.hook, self.data.split("train"), cfg.block_size, self.filters,
                                 cfg.buffer_tokens, seed)  # fmt: skip
+
+    def _cached(self, directory: str) -> CachedStream:
+        """The cache, refused unless it holds this model's activations at this hook, filtered as this run filters."""
+        cached = CachedStream(directory)
+        about = cache_about(self.cfg, self.base, self.hook, self.data)
+        differs = [k for k, v in about.items() if cached.meta.get(k) != v]
+        if cached.meta.get("block_size") != self.cfg.block_size:
+            differs.append("block_size")
+        if differs:
+            raise QkvError(f"{directory} holds other activations than this run reads ({', '.join(differs)} differ); "
+                           "cache them again for this model, hook and data")  # fmt: skip
+        needed = self.cfg.schedule.max_steps * self.cfg.data.batch_size * self.cfg.data.grad_accum
+        if needed > cached.total:
+            raise QkvError(f"{directory} holds {cached.total:,} activations and --max-steps "
+                           f"{self.cfg.schedule.max_steps} reads {needed:,}: cache more or lower "
+                           "--max-steps")  # fmt: skip
+        return cached
 
     def _starting_point(self) -> dict[str, Tensor]:
         """The input scale (mean norm √d) and b_dec's start, from INIT_ROWS activations of a stream of their own."""
