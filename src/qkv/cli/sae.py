@@ -75,14 +75,15 @@ def register(views: Any) -> None:
 def cmd_cache(args: argparse.Namespace) -> int:
     """Write the activation cache a run with --activations reads."""
     from qkv.tasks import recipe
-    from qkv.tasks.sae import cache_activations
+    from qkv.tasks.sae import SAETrainConfig, cache_activations
 
     if args.tokens < 1:
         raise QkvError(f"--tokens must be ≥ 1, got {args.tokens}")
     names = ("hook", "block_size", "buffer_tokens", "seed", "max_norm_ratio", "device")
     given = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
-    where = cache_activations(recipe("sae", {"lm": args.lm, "data": args.data, **given}), args.tokens,
-                              args.out)  # fmt: skip
+    cfg = recipe("sae", {"lm": args.lm, "data": args.data, **given})
+    assert isinstance(cfg, SAETrainConfig)
+    where = cache_activations(cfg, args.tokens, args.out)
     print(f"wrote {where}: train on it with `qkv interpret sae train {args.lm} --data {args.data} --activations "
           f"{where}`")
     return 0
