@@ -45,12 +45,17 @@ def bible_db(work: Path, wheel: Path | None) -> Path:
     return db
 
 
-def chapters(db: Path) -> Iterator[str]:
-    """Every chapter of every translation: '<book> <chapter>', a blank line, then '<verse> <text>' lines."""
+ENGLISH = ("2", "3", "4")  # the King James, Basic English and World English translations (bbName)
+
+
+def chapters(db: Path, translations: tuple[str, ...] | None = None) -> Iterator[str]:
+    """Every chapter of every translation (or of those named by bbName): '<book> <chapter>', a blank line, then
+    '<verse> <text>' lines."""
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
         books = {(bb, b): name for bb, b, name, _ in conn.execute("SELECT * FROM bibleRef")}
         rows = conn.execute("SELECT bbName, bNumber, cNumber, vNumber, vText FROM bible "
                             "ORDER BY bbName, bNumber, cNumber, vNumber")  # fmt: skip
+        rows = (r for r in rows if translations is None or r[0] in translations)
         key, lines = None, list[str]()
         for bb, book, chapter, verse, text in rows:
             if (bb, book, chapter) != key:
