@@ -1,6 +1,6 @@
 """The notebooks and the documentation site: built as a reader gets them, and opened in a real browser.
 
-One `mkdocs build --strict` (module fixture) executes all twelve notebooks (mkdocs-jupyter, errors not
+One `mkdocs build --strict` (module fixture) executes all thirteen notebooks (mkdocs-jupyter, errors not
 allowed) and renders the guides and the API reference; the tests then read the built site, follow
 every link in it and in the README, and open it in headless Chromium.
 """
@@ -46,8 +46,8 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_twelve_notebooks_each_a_paired_percent_file_that_asserts_its_claim() -> None:
-    assert len(NOTEBOOKS) == 12, NOTEBOOKS
+def test_thirteen_notebooks_each_a_paired_percent_file_that_asserts_its_claim() -> None:
+    assert len(NOTEBOOKS) == 13, NOTEBOOKS
     for path in NOTEBOOKS:
         text = path.read_text(encoding="utf-8")
         assert "formats: ipynb,py:percent" in text and "format_name: percent" in text, path.name
