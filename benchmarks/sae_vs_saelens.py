@@ -135,7 +135,8 @@ def train_saelens(work: Path, activations: Path, steps: int, scale: float, resul
 def measure(data: Path, runs: dict[str, Path], saelens_dir: Path, windows: int) -> dict[str, Any]:
     """Every SAE through qkv.sae.measures on the same held-out windows, filtered as the runs filter."""
     from qkv.sae.measures import eval_windows, sae_measures
-    from qkv.tasks.sae import filters_of, open_sae, recipe
+    from qkv.tasks.sae import filters_of, recipe
+    from qkv.tasks.sae_open import open_sae
 
     out: dict[str, Any] = {}
     views = {name: open_sae(run, checkpoint="last") for name, run in runs.items()}

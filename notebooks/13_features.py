@@ -43,7 +43,7 @@ from qkv.data.prepare import prepare
 from qkv.lab.plotting import new_figure
 from qkv.sae.features import latents_of, promoted_tokens, steered, top_contexts
 from qkv.sae.measures import eval_windows
-from qkv.tasks.sae import open_sae
+from qkv.tasks.sae_open import open_sae
 
 work = Path(tempfile.mkdtemp())
 rng = random.Random(0)

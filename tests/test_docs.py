@@ -218,6 +218,7 @@ def test_every_qkv_command_in_the_guides_parses() -> None:
     import shlex
 
     from qkv.cli import build_parser
+    from qkv.cli.sae import train_argv
     from qkv.cli.train import _task_of
     from qkv.cli.train import build_parser as train_parser
     from qkv.tasks import config_class
@@ -237,6 +238,8 @@ def test_every_qkv_command_in_the_guides_parses() -> None:
             if not words or words[0] != ".venv/bin/qkv" or "--help" in words:
                 continue
             argv = words[1:]
+            if argv[:3] == ["interpret", "sae", "train"]:  # `qkv train sae` with the model first, as main() reads it
+                argv = ["train", *train_argv(argv)]
             if argv[0] == "train":
                 task, rest = _task_of(argv[1:])
                 _, unknown = train_parser(task, config_class(task)).parse_known_args(rest)

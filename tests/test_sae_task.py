@@ -22,7 +22,7 @@ from qkv.sae.activations import ActivationStream, Filters, geometric_median
 from qkv.sae.features import token_latents
 from qkv.sae.measures import eval_windows, sae_measures
 from qkv.tasks import load
-from qkv.tasks.sae import open_sae
+from qkv.tasks.sae_open import open_sae
 
 TINY = ["--n-layers", "2", "--d-model", "32", "--n-heads", "2", "--block-size", "32", "--batch-size", "4",
         "--sample-tokens", "0", "--device", "cpu"]  # fmt: skip

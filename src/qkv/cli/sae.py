@@ -75,7 +75,8 @@ def register(views: Any) -> None:
 def cmd_cache(args: argparse.Namespace) -> int:
     """Write the activation cache a run with --activations reads."""
     from qkv.tasks import recipe
-    from qkv.tasks.sae import SAETrainConfig, cache_activations
+    from qkv.tasks.sae import SAETrainConfig
+    from qkv.tasks.sae_open import cache_activations
 
     if args.tokens < 1:
         raise QkvError(f"--tokens must be ≥ 1, got {args.tokens}")
@@ -111,7 +112,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_features(args: argparse.Namespace) -> int:
     """One of the views, by the options given."""
     from qkv.io.devices import resolve_device
-    from qkv.tasks.sae import open_sae
+    from qkv.tasks.sae_open import open_sae
 
     chosen = [name for name in ("text", "latent", "random") if getattr(args, name) is not None]
     if len(chosen) != 1:

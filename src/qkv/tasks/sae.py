@@ -32,7 +32,7 @@ from qkv.io.invocation import program
 from qkv.io.run_dir import CHECKPOINT_DIR, read_run_config
 from qkv.sae import SAEConfig, SparseAutoencoder
 from qkv.sae.activations import ActivationStream, Buffered, Filters, geometric_median
-from qkv.sae.cache import CachedStream, write_cache
+from qkv.sae.cache import CachedStream
 from qkv.sae.measures import eval_windows, sae_measures
 from qkv.tasks.base import EvalOptions, LoadedRun
 from qkv.training import Evaluation, RunConfig, Task, TrainResult
@@ -111,7 +111,7 @@ class SAEBatch:
         return len(self.x)
 
 
-def _width_of(base: Base, hook: str) -> int:
+def width_of(base: Base, hook: str) -> int:
     """The width of a readable hook, or a one-line error naming the hooks an SAE reads."""
     if hook.rsplit(".", 1)[-1] not in READABLE:
         raise QkvError(f"an SAE reads one vector per position: give a hook ending in {', '.join(READABLE)}, not {hook}")
@@ -137,7 +137,7 @@ def load_subject(cfg: SAETrainConfig, reference: dict[str, Any] | None,
                        f"`{program()} prepare INPUT --tokenizer {cfg.lm} --out DIR`")  # fmt: skip
     hook = cfg.hook or middle_hook(base)
     check_name(hook_sites(base.model), hook)
-    _width_of(base, hook)
+    width_of(base, hook)
     return base, hook, data
 
 
@@ -157,23 +157,6 @@ def checkpoint_step(run_dir: Path) -> int:
     """The step of a run's committed checkpoint (0 without one)."""
     pointer = run_dir / CHECKPOINT_DIR / "latest.json"
     return int(json.loads(pointer.read_text())["step"]) if pointer.is_file() else 0
-
-
-def cache_activations(cfg: SAETrainConfig, tokens: int, out: str | Path) -> Path:
-    """Write the first `tokens` activations of the stream a run of `cfg` trains on (its seed's) into `out`, with
-    progress; a later run with --activations OUT reads them instead of computing them."""
-    from qkv.io.progress import ProgressLine, batch_progress
-
-    base, hook, data = load_subject(cfg, None, resolve_device(cfg.system.device))
-    filters = filters_of(cfg, base)
-    stream = ActivationStream(base.model, hook, data.split("train"), cfg.block_size, filters, cfg.buffer_tokens,
-                              cfg.system.seed)  # fmt: skip
-    line = ProgressLine()
-    show = batch_progress(line, f"caching {tokens:,} activations of {hook}", after_s=0.0)
-    where = write_cache(stream, tokens, out, {**cache_about(cfg, base, hook, data), "block_size": cfg.block_size},
-                        show)  # fmt: skip
-    line.close_if_drawn()
-    return where
 
 
 class SAETask(Task):
@@ -243,7 +226,7 @@ class SAETask(Task):
 
     def model_config(self) -> SAEConfig:  # type: ignore[override]
         """The run's SAE over the hook's width, its latents counted."""
-        width = _width_of(self.base, self.hook)
+        width = width_of(self.base, self.hook)
         cfg = dataclasses.replace(self.cfg.model, d_model=width)
         return dataclasses.replace(cfg, d_sae=cfg.latents)
 
@@ -352,49 +335,3 @@ class SAERun(LoadedRun):
                 f"  FVU {m['fvu']:.4f}   L0 {m['l0']:.1f}   dead {m['dead_share']:.1%}",
                 f"  next-token loss {m['loss_clean']:.4f} clean, {m['loss_sae']:.4f} with the SAE, "
                 f"{m['loss_zero']:.4f} zero-ablated: loss recovered {m['loss_recovered']:.1%}"]  # fmt: skip
-
-
-@dataclass
-class SAEView:
-    """An SAE ready to read features with: its folded form, the model and hook it reads, its tokenizer, and the
-    data its contexts come from (None for a SAELens directory given without --data)."""
-
-    sae: SparseAutoencoder
-    base: Base
-    hook: str
-    data: TokenData | None
-    block_size: int = 128
-
-
-def open_sae(path: str | Path, lm: str | None = None, data: str | None = None, checkpoint: str = "best",
-             device: str | torch.device = "cpu") -> SAEView:  # fmt: skip
-    """A qkv SAE run (its model and data as recorded, the model hash-checked), or a SAELens directory read with the
-    model `lm` (its hook_name must be one of the model's hooks) and optionally a data directory."""
-    from qkv.sae import load_saelens
-    from qkv.tasks import load
-
-    where = Path(path)
-    if (where / "cfg.json").is_file():
-        if lm is None:
-            raise QkvError(f"{where} is a SAELens SAE: give the model it reads with --lm MODEL")
-        sae, metadata = load_saelens(where)
-        cfg = dataclasses.replace(recipe(), lm=lm, source=data, hook=str(metadata.get("hook_name") or "") or None)
-        if cfg.hook is None:
-            raise QkvError(f"{where / 'cfg.json'} names no hook_name: qkv cannot tell where the SAE reads")
-        if data is not None:
-            base, hook, opened = load_subject(cfg, None)
-        else:
-            base, hook, opened = load_base(lm, role="--lm"), cfg.hook, None
-            base.model.eval().requires_grad_(False)
-            check_name(hook_sites(base.model), hook)
-        if sae.cfg.d_model != _width_of(base, hook):
-            raise QkvError(f"{where} reads activations of width {sae.cfg.d_model}, and {hook} of {lm} has width "
-                           f"{_width_of(base, hook)}: the SAE belongs to another model")  # fmt: skip
-        base.model.to(device)
-        return SAEView(sae.to(device), base, hook, opened, min(128, base.model.cfg.context_length))
-    if lm is not None or data is not None:
-        raise QkvError(f"{where} is an SAE run, which records its model and data: drop --lm and --data")
-    run = load(where, checkpoint, "cpu", expect="sae")
-    base, hook, opened = run.subject()
-    base.model.to(device)
-    return SAEView(run.model.folded().to(device), base, hook, opened, run.config.block_size)
