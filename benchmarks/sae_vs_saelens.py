@@ -9,7 +9,7 @@
    when a quarter of the rows are written and at the end: memory does not grow with the token count.
 3. qkv: `qkv interpret sae train … --activations CACHE`, a TopK SAE (4,608 latents, k = 32), batches of 4,096,
    Adam at 4e-4, 25 warm-up steps, linear decay to 0; and the same with b_dec starting at 0 (SAELens's start)
-   instead of the geometric median.
+   instead of the geometric median; and a quarter of the run, whose peak RSS the whole run's must not exceed.
 4. SAELens 6.54 (in .venv-saelens, benchmarks/saelens_train.py): TopKTrainingSAE of the same size and k, its
    SAETrainer with the same rate, warm-up, decay, batch and dead window, fed the cache's rows in the same order,
    with qkv's input scale as its activation scaler's factor (the same normalisation).
@@ -147,7 +147,9 @@ def measure(data: Path, runs: dict[str, Path], saelens_dir: Path, windows: int) 
         assert view.data is not None
         batches = eval_windows(view.data.split("val"), 128, windows, 8)
         out[name] = sae_measures(ours.base.model, view.sae, HOOK, batches, filters)
-        out[name]["dead_share"] = float("nan") if name == "saelens" else out[name]["dead_share"]
+        if name == "saelens":  # its trainer's own count at the end (the SAE it saves keeps no firing counts)
+            metadata = json.loads((saelens_dir / "cfg.json").read_text())["metadata"]
+            out[name]["dead_share"] = metadata.get("num_dead_features", float("nan")) / view.sae.cfg.latents
         print(name, json.dumps(out[name]), flush=True)
     return out
 
@@ -174,6 +176,7 @@ def main() -> None:
     from safetensors.torch import load_file
 
     zeros_run = train_qkv(args.work, data, activations, steps, result, "qkv_zeros", "--b-dec-init", "zeros")
+    train_qkv(args.work, data, activations, steps // 4, result, "qkv_quarter")  # its peak RSS against the whole run's
     path.write_text(json.dumps(result, indent=1))
     scale = float(load_file(qkv_run / "last.safetensors")["input_scale"])
     saelens_dir = train_saelens(args.work, activations, steps, scale, result)
@@ -183,11 +186,16 @@ def main() -> None:
     path.write_text(json.dumps(result, indent=1))
     measures = result["measures"]
     print(f"\n{steps} steps of {BATCH} activations ({steps * BATCH:,} tokens), {HOOK}, TopK k = 32, 4,608 latents")
-    print("                  FVU      L0   loss recovered   train s")
+    print("                  FVU      L0    dead   loss recovered   train s")
     for name, m in measures.items():
         seconds = result.get(f"{name}_train", {}).get("seconds", float("nan"))
-        print(f"{name:<15} {m['fvu']:.4f}  {m['l0']:6.1f}   {m['loss_recovered']:6.1%}          {seconds:7.0f}")
+        print(f"{name:<15} {m['fvu']:.4f}  {m['l0']:6.1f}  {m['dead_share']:6.1%}   {m['loss_recovered']:6.1%}"
+              f"          {seconds:7.0f}")
     print(f"FVU ratio qkv / SAELens: {measures['qkv']['fvu'] / measures['saelens']['fvu']:.3f}")
+    rss = result["cache"]["peak_rss_mib"]
+    print(f"peak RSS, MiB: caching {rss.get('quarter', 0):.0f} at a quarter of the rows, {rss.get('whole', 0):.0f} at "
+          f"the end; training {result['qkv_quarter_train']['peak_rss_mib']:.0f} for {steps // 4} steps, "
+          f"{result['qkv_train']['peak_rss_mib']:.0f} for {steps}")
 
 
 if __name__ == "__main__":
