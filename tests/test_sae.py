@@ -139,12 +139,17 @@ def test_folding_keeps_the_function(arch: str, scale: float, seed: int) -> None:
         torch.testing.assert_close(folded.decoder_norms(), torch.ones(64))
 
 
-def test_topk_keeps_k_latents_and_batchtopk_k_per_token_on_average() -> None:
-    """L0 by construction: k per token for TopK, k·N over a batch of N for BatchTopK while training."""
-    x = torch.randn(40, 16)
-    assert ((random_sae("topk").encode(x) > 0).sum(-1) <= 4).all()
-    batch = random_sae("batchtopk").train()
-    assert int((batch.encode(x) > 0).sum()) == 4 * 40
+def test_batchtopk_keeps_k_per_token_on_average_and_its_threshold_after() -> None:
+    """BatchTopK keeps k·N latents over a batch of N while training (tokens share the budget unevenly); at
+    inference its threshold decides each latent alone."""
+    x = torch.randn(40, 16) * 3
+    sae = random_sae("batchtopk").train()
+    latents = sae.encode(x)
+    assert int((latents > 0).sum()) == 4 * 40 and len(set((latents > 0).sum(-1).tolist())) > 1
+    sae.eval()
+    sae.threshold.fill_(0.5)
+    pre = sae.pre_activations(x)
+    assert torch.equal(sae.encode(x) > 0, pre > 0.5)
 
 
 def test_dead_latents_are_counted_in_tokens() -> None:
@@ -169,3 +174,13 @@ def test_bad_configs_and_files_are_refused_in_one_line(tmp_path: Path) -> None:
         SAEConfig().build()
     with pytest.raises(QkvError, match="not an SAE in SAELens's format"):
         load_saelens(tmp_path)
+    sae = random_sae("batchtopk")
+    save_saelens(sae, tmp_path / "jump")
+    weights = load_file(tmp_path / "jump" / "sae_weights.safetensors")
+    save_file({k: v for k, v in weights.items() if k != "threshold"}, tmp_path / "jump" / "sae_weights.safetensors")
+    with pytest.raises(QkvError, match="lacks threshold"):
+        load_saelens(tmp_path / "jump")
+    config = json.loads((tmp_path / "jump" / "cfg.json").read_text())
+    (tmp_path / "jump" / "cfg.json").write_text(json.dumps({**config, "d_in": "wide"}))
+    with pytest.raises(QkvError, match="d_in and d_sae as whole numbers"):
+        load_saelens(tmp_path / "jump")

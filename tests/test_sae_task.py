@@ -17,11 +17,13 @@ from qkv.cli import main
 from qkv.data import load_shakespeare
 from qkv.data.tokens import open_data
 from qkv.errors import QkvError
-from qkv.sae import load_saelens
+from qkv.sae import SAEConfig, load_saelens, save_saelens
 from qkv.sae.activations import ActivationStream, Filters, geometric_median
+from qkv.sae.cache import CachedStream, write_cache
 from qkv.sae.features import token_latents
 from qkv.sae.measures import eval_windows, sae_measures
 from qkv.tasks import load
+from qkv.tasks.sae import filters_of
 from qkv.tasks.sae_open import open_sae
 
 TINY = ["--n-layers", "2", "--d-model", "32", "--n-heads", "2", "--block-size", "32", "--batch-size", "4",
@@ -84,6 +86,9 @@ def test_resume_is_bit_identical(capsys: pytest.CaptureFixture[str], world: dict
     assert code == 0, err
     straight, split = (load_file(tmp_path / d / "last.safetensors") for d in ("straight", "split"))
     assert straight.keys() == split.keys() and all(torch.equal(straight[k], split[k]) for k in straight)
+    logged = [[{k: v for k, v in json.loads(line).items() if not k.endswith("_s")}
+               for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in ("straight", "split")]
+    assert logged[0][-1] == logged[1][-1] and logged[0][-1]["step"] == 8  # (the stopped run also logged step 1)
 
 
 def test_a_run_on_cached_activations_equals_one_that_computes_them(
@@ -119,8 +124,9 @@ def test_eval_reports_the_measures_of_the_python_api(capsys: pytest.CaptureFixtu
     assert code == 0, err
     run = load(sae_run)
     base, hook, data = run.subject()
-    windows = eval_windows(data.split("val"), 32, 16, 32)
-    m = sae_measures(base.model, run.model, hook, windows, Filters(max_norm_ratio=10.0))
+    m = sae_measures(base.model, run.model, hook, eval_windows(data.split("val"), 32, 16), filters_of(run.config, base))
+    final = json.loads((sae_run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert final["val_fvu"] == pytest.approx(m["fvu"], rel=1e-6)  # the run's last evaluation measured the same
     assert f"FVU {m['fvu']:.4f}" in out and f"L0 {m['l0']:.1f}" in out
     assert f"loss recovered {m['loss_recovered']:.1%}" in out
     assert 0 < m["fvu"] < 1 and m["loss_zero"] > m["loss_clean"]
@@ -155,7 +161,7 @@ def test_features_on_the_command_line_equal_the_api(capsys: pytest.CaptureFixtur
     for line, latents in zip(lines, expected, strict=True):
         assert line.endswith("  ".join(f"{latent}:{value:.3g}" for latent, value in latents))
     code, out, err = run_main(capsys, "interpret", "features", str(sae_run), "--latent", "3", "--windows", "32")
-    assert code == 0, err and "⟦" in out and "promotes:" in out
+    assert code == 0 and "⟦" in out and "promotes:" in out, err
     code, out, err = run_main(capsys, "interpret", "features", str(sae_run), "--latent", "3", "--steer", "200",
                               "--prompt", "ROMEO:", "--max-new-tokens", "8")  # fmt: skip
     plain, steered = (line.split(": ", 1)[1] for line in out.splitlines()[-2:])
@@ -186,7 +192,8 @@ def test_data_of_another_tokenizer_and_bad_views_are_refused(
                             *SAE, "--max-steps", "2", "--out-dir", str(tmp_path / "x"))  # fmt: skip
     assert code == 2 and "another tokenizer" in err
     for argv, message in [(["--latent", "99999"], "does not exist"), (["--text", "a", "--latent", "1"], "one of"),
-                          (["--latent", "1", "--steer", "2"], "go together")]:  # fmt: skip
+                          (["--latent", "1", "--steer", "2"], "go together"),
+                          (["--random", "0"], "must be ≥ 1")]:  # fmt: skip
         code, _, err = run_main(capsys, "interpret", "features", str(sae_run), *argv)
         assert code == 2 and message in err, err
     code, _, err = run_main(capsys, "interpret", "features", str(sae_run), "--latent", "nan")
@@ -274,14 +281,34 @@ def planted_positions(ids: torch.Tensor, marker: list[int]) -> torch.Tensor:
 
 def test_open_sae_refuses_what_does_not_fit(sae_run: Path, tmp_path: Path, world: dict[str, Path]) -> None:
     """A SAELens directory without --lm, an SAE run given --lm, and an SAE of another width."""
-    from qkv.cli import main as cli
-
-    assert cli(["interpret", "sae", "export", str(sae_run), str(tmp_path / "sl")]) == 0
+    assert main(["interpret", "sae", "export", str(sae_run), str(tmp_path / "sl")]) == 0
     with pytest.raises(QkvError, match="give the model it reads with --lm"):
         open_sae(tmp_path / "sl")
     with pytest.raises(QkvError, match="drop --lm and --data"):
         open_sae(sae_run, lm=str(world["base"]))
-    config = json.loads((tmp_path / "sl" / "cfg.json").read_text())
-    (tmp_path / "sl" / "cfg.json").write_text(json.dumps({**config, "d_in": 16}))
-    with pytest.raises(QkvError):
-        open_sae(tmp_path / "sl", lm=str(world["base"]))
+    narrow = SAEConfig(d_model=16, d_sae=64).build()
+    save_saelens(narrow, tmp_path / "narrow", {"hook_name": HOOK})
+    with pytest.raises(QkvError, match="belongs to another model"):
+        open_sae(tmp_path / "narrow", lm=str(world["base"]))
+
+
+def test_a_cache_is_never_mixed_or_read_unfinished(world: dict[str, Path], tmp_path: Path) -> None:
+    """meta.json is written before the first buffer: a second cache of other settings into the same directory is
+    refused, so is a directory of other files, and an unfinished cache is not read."""
+    base = load(world["base"]).model
+    split = open_data(world["data"]).split("train")
+    about = {"hook": HOOK, "filters": {}, "model": {}, "data": {}}
+    stream = ActivationStream(base, HOOK, split, 32, Filters(), 300, seed=1)
+    write_cache(stream, 600, tmp_path / "c", about)
+    assert CachedStream(tmp_path / "c").total == 600
+    other = ActivationStream(base, HOOK, split, 32, Filters(), 300, seed=2)
+    with pytest.raises(QkvError, match="another model, hook, data or stream"):
+        write_cache(other, 600, tmp_path / "c", about)
+    meta = json.loads((tmp_path / "c" / "meta.json").read_text())
+    (tmp_path / "c" / "meta.json").write_text(json.dumps({**meta, "complete": False}))
+    with pytest.raises(QkvError, match="unfinished cache"):
+        CachedStream(tmp_path / "c")
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "notes.txt").write_text("mine")
+    with pytest.raises(QkvError, match="not empty"):
+        write_cache(stream, 300, tmp_path / "junk", about)

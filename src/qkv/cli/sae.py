@@ -42,9 +42,12 @@ def register(views: Any) -> None:
     cache.add_argument("--tokens", type=int, required=True, help="activations to write (rounded up to whole buffers)")
     cache.add_argument("--out", required=True, help="the cache's directory (a partial one is completed)")
     cache.add_argument("--hook", help="the activation (default: the residual stream entering the middle layer)")
-    for flag, kind in (("--block-size", int), ("--buffer-tokens", int), ("--seed", int), ("--max-norm-ratio", float),
-                       ("--device", str)):  # fmt: skip
+    for flag, kind in (("--block-size", int), ("--buffer-tokens", int), ("--seed", int), ("--device", str)):
         cache.add_argument(flag, type=kind, help=f"as `qkv train sae {flag}`")
+    cache.add_argument("--max-norm-ratio", type=_float_or_none, default=argparse.SUPPRESS,
+                       help="as `qkv train sae --max-norm-ratio` (a number, or none)")
+    cache.add_argument("--no-drop-first", dest="drop_first", action="store_false", default=None,
+                       help="keep each window's first position (as `qkv train sae --no-drop-first`)")
     cache.set_defaults(handler=cmd_cache)
     export = actions.add_parser("export", help="write an SAE run in SAELens's format (cfg.json + weights)")
     export.add_argument("run_dir", metavar="RUN")
@@ -72,6 +75,14 @@ def register(views: Any) -> None:
     f.set_defaults(handler=cmd_features)
 
 
+def _float_or_none(text: str) -> float | None:
+    """A number, or the word none."""
+    return None if text.lower() == "none" else float(text)
+
+
+_float_or_none.__name__ = "number or none"  # argparse names the type in its errors
+
+
 def cmd_cache(args: argparse.Namespace) -> int:
     """Write the activation cache a run with --activations reads."""
     from qkv.tasks import recipe
@@ -80,13 +91,17 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
     if args.tokens < 1:
         raise QkvError(f"--tokens must be ≥ 1, got {args.tokens}")
-    names = ("hook", "block_size", "buffer_tokens", "seed", "max_norm_ratio", "device")
+    names = ("hook", "block_size", "buffer_tokens", "seed", "device", "drop_first")
     given = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+    if hasattr(args, "max_norm_ratio"):  # given, even as none
+        given["max_norm_ratio"] = args.max_norm_ratio
     cfg = recipe("sae", {"lm": args.lm, "data": args.data, **given})
     assert isinstance(cfg, SAETrainConfig)
     where = cache_activations(cfg, args.tokens, args.out)
-    print(f"wrote {where}: train on it with `qkv interpret sae train {args.lm} --data {args.data} --activations "
-          f"{where}`")
+    same = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in given.items() if k not in ("device", "drop_first"))
+    same += " --no-drop-first" if given.get("drop_first") is False else ""
+    print(f"wrote {where}: train on it with `qkv interpret sae train {args.lm} --data {args.data} {same} "
+          f"--activations {where}`".replace("  ", " "))
     return 0
 
 
@@ -94,6 +109,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Write the run's SAE in SAELens's format, with where it belongs in its metadata."""
     from pathlib import Path
 
+    from qkv.io.run_dir import read_run_config
     from qkv.sae import save_saelens
     from qkv.tasks import load
 
@@ -101,10 +117,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     if out.exists():
         raise QkvError(f"{out} already exists; give a new directory")
     run = load(args.run_dir, args.checkpoint, "cpu", expect="sae")
-    base, hook, _ = run.subject()
-    where = {"model": base.reference, "filters": run.config.filters, "run": str(Path(args.run_dir).resolve())}
-    metadata = {"model_name": Path(base.reference["path"]).name, "hook_name": hook, "qkv": where}
-    save_saelens(run.model, out, metadata)
+    stored = read_run_config(Path(args.run_dir))  # where the SAE belongs, as recorded: the model is not loaded
+    base, hook = stored["base"], stored["data"]["hook"]
+    where = {"model": base, "filters": run.config.filters, "run": str(Path(args.run_dir).resolve())}
+    save_saelens(run.model, out, {"model_name": Path(base["path"]).name, "hook_name": hook, "qkv": where})
     print(f"wrote {out} (SAELens: SAE.load_from_disk({str(out)!r}); qkv: qkv.sae.load_saelens)")
     return 0
 
@@ -119,8 +135,8 @@ def cmd_features(args: argparse.Namespace) -> int:
         raise QkvError("give one of --text, --latent or --random")
     if (args.steer is not None) != (args.prompt is not None) or (args.steer is not None and args.latent is None):
         raise QkvError("--steer ALPHA and --prompt go together, with --latent")
-    if min(args.top, args.windows, args.max_new_tokens) < 1:
-        raise QkvError("--top, --windows and --max-new-tokens must be ≥ 1")
+    if min(args.top, args.windows, args.max_new_tokens, 1 if args.random is None else args.random) < 1:
+        raise QkvError("--top, --windows, --max-new-tokens and --random must be ≥ 1")
     view = open_sae(args.sae, args.lm, args.data, args.checkpoint, resolve_device(args.device))
     if args.text is not None:
         return _text(view, args)

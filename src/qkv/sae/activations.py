@@ -3,20 +3,19 @@ served in shuffled batches from a bounded buffer.
 
 The model runs only as far as the hook (a forward hook stops it there), on random windows of the shards. Positions
 that would teach the SAE little are dropped, and the choice is saved with the run:
-- the first position of each window, whose stream is the attention sink's (norms tens of times the others');
+- the first position of each window, whose stream is the attention sink's (of a far larger norm than the others');
 - the tokenizer's BOS token wherever it appears;
 - any position whose norm is above max_norm_ratio × the median norm of the windows read with it (8 at a time).
 
 The stream is a pure function of (seed, position): buffer r is filled from windows drawn by a generator seeded with
 (seed, r), exactly `buffer_tokens` rows kept, and shuffled by the same generator. A resumed run starting at step s
 refills buffer ⌊s·B / buffer_tokens⌋ and carries on from its offset: it reads what the uninterrupted run read. Memory
-is one buffer (buffer_tokens × d floats) whatever the number of tokens trained on.
+does not grow with the number of tokens trained on: a buffer held, and the next one while it is filled.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,21 +69,29 @@ class Filters:
 
 
 class Buffered:
-    """Rows at any position of a sequence kept as numbered buffers of buffer_tokens rows each."""
+    """Rows at any position of a sequence kept as numbered buffers of buffer_tokens rows each, one held at a time."""
 
     buffer_tokens: int
+    _held: tuple[int, Tensor] | None = None  # (index, rows) of the buffer held
 
-    def buffer(self, index: int) -> Tensor:
-        """(buffer_tokens, d) buffer `index`."""
+    def load(self, index: int) -> Tensor:
+        """(buffer_tokens, d) buffer `index`, made or read anew."""
         raise NotImplementedError
 
+    def buffer(self, index: int) -> Tensor:
+        """Buffer `index`: the one held, or loaded (the one held is let go first, so that one is in memory)."""
+        if self._held is None or self._held[0] != index:
+            self._held = None
+            self._held = index, self.load(index)
+        return self._held[1]
+
     def rows(self, start: int, count: int) -> Tensor:
-        """(count, d) rows start … start + count − 1."""
+        """(count, d) rows start … start + count − 1 (copies: no view keeps a buffer alive)."""
         parts = []
         while count > 0:
             index, offset = divmod(start, self.buffer_tokens)
             take = min(count, self.buffer_tokens - offset)
-            parts.append(self.buffer(index)[offset : offset + take])
+            parts.append(self.buffer(index)[offset : offset + take].clone())
             start, count = start + take, count - take
         return torch.cat(parts)
 
@@ -99,20 +106,12 @@ class ActivationStream(Buffered):
         self.model, self.hook, self.split, self.block_size = model, hook, split, block_size
         self.filters, self.buffer_tokens, self.seed = filters, buffer_tokens, seed
         self.windows_per_pass = windows_per_pass
-        self._buffer: tuple[int, Tensor] | None = None  # (index, rows) of the buffer held
-        self.on_fill: Callable[[int, int], None] | None = None  # (rows kept so far, buffer_tokens) while filling
 
-    def buffer(self, index: int) -> Tensor:
-        """(buffer_tokens, d) buffer `index`, shuffled: the one held, or filled anew."""
-        if self._buffer is None or self._buffer[0] != index:
-            self._buffer = None  # freed before the next one is filled: memory holds one buffer
-            self._buffer = index, self.fill(index)
-        return self._buffer[1]
-
-    def fill(self, index: int) -> Tensor:
+    def load(self, index: int) -> Tensor:
         """Buffer `index`: rows of random windows until buffer_tokens are kept, then shuffled."""
         # Both numbers mixed into one 32-bit seed (a torch CPU generator keeps only a seed's low 32 bits).
-        generator = torch.Generator().manual_seed(int(np.random.SeedSequence([self.seed, index]).generate_state(1)[0]))
+        mixed = np.random.SeedSequence([self.seed % 2**63, index]).generate_state(1)[0]
+        generator = torch.Generator().manual_seed(int(mixed))
         n_windows = self.split.window_count(self.block_size)
         kept: list[Tensor] = []
         total = 0
@@ -124,15 +123,14 @@ class ActivationStream(Buffered):
             rows = acts[self.filters.mask(ids, acts)]
             kept.append(rows)
             total += len(rows)
-            if self.on_fill is not None:
-                self.on_fill(min(total, self.buffer_tokens), self.buffer_tokens)
         rows = torch.cat(kept)[: self.buffer_tokens]
+        del kept
         return rows[torch.randperm(len(rows), generator=generator)]
 
 
 def geometric_median(points: Tensor, iterations: int = 50, tolerance: float = 1e-5) -> Tensor:
     """(d,) the point with the least summed distance to points (N, d): Weiszfeld's iterations from the mean.
-    b_dec starts there, as in SAELens and Anthropic's SAEs: a centre that outliers move little."""
+    b_dec starts there, as in Anthropic's 2023 SAEs (SAELens 6 starts it at zero): a centre outliers move little."""
     guess = points.mean(0)
     for _ in range(iterations):
         weights = 1 / (points - guess).norm(dim=-1).clamp_min(1e-8)  # (N,)

@@ -1,6 +1,7 @@
 """Activations cached on disk once and re-read: the activation stream's shuffled buffers as files.
 
-    DIR/meta.json                       what the rows are: model (path, sha256), hook, filters, data, seed, sizes
+    DIR/meta.json                       what the rows are: model (path, sha256), hook, filters, data, seed, sizes,
+                                        and whether every buffer is written (it is written first, then completed)
     DIR/buffer-00000.safetensors        buffer 0 of the stream, as ActivationStream.buffer(0) returns it
     ...
 
@@ -38,16 +39,20 @@ def write_cache(stream: ActivationStream, rows: int, directory: str | Path, abou
     count = -(-rows // stream.buffer_tokens)
     meta = {"format": FORMAT, "rows": count * stream.buffer_tokens, "buffer_tokens": stream.buffer_tokens,
             "seed": stream.seed, **about}  # fmt: skip
+    same = {k: v for k, v in meta.items() if k != "rows"}
     if (directory / META_FILE).is_file():
         old = load_json(directory / META_FILE)
-        if {k: v for k, v in old.items() if k != "rows"} != {k: v for k, v in meta.items() if k != "rows"}:
+        if {k: v for k, v in old.items() if k not in ("rows", "complete")} != same:
             raise QkvError(f"{directory} holds activations of another model, hook, data or stream; give a new --out")
+    elif any(directory.iterdir()):
+        raise QkvError(f"{directory} is not empty and holds no activation cache; give a new --out")
+    atomic_write_json(directory / META_FILE, {**meta, "complete": False})  # first: buffers are never anonymous
     for index in range(count):
         if not buffer_file(directory, index).is_file():
             atomic_save_safetensors(buffer_file(directory, index), {"rows": stream.buffer(index).contiguous()})
         if progress is not None:
             progress(index + 1, count)
-    atomic_write_json(directory / META_FILE, meta)
+    atomic_write_json(directory / META_FILE, {**meta, "complete": True})
     return directory
 
 
@@ -65,7 +70,9 @@ class CachedStream(Buffered):
                            f"{self.meta.get('format')!r})")  # fmt: skip
         self.buffer_tokens = int(self.meta["buffer_tokens"])
         self.total = int(self.meta["rows"])
-        self._buffer: tuple[int, Tensor] | None = None
+        if not self.meta.get("complete"):
+            raise QkvError(f"{self.directory} is an unfinished cache; run the same `qkv interpret sae cache` command "
+                           "again to finish it")  # fmt: skip
 
     def rows(self, start: int, count: int) -> Tensor:
         """(count, d) rows start … start + count − 1; a one-line error past the cache's end."""
@@ -74,9 +81,6 @@ class CachedStream(Buffered):
                            "(--tokens) or train on fewer (--max-steps)")  # fmt: skip
         return super().rows(start, count)
 
-    def buffer(self, index: int) -> Tensor:
-        """Buffer `index`, read from its file (one held at a time)."""
-        if self._buffer is None or self._buffer[0] != index:
-            self._buffer = None
-            self._buffer = index, load_safetensors(buffer_file(self.directory, index))["rows"]
-        return self._buffer[1]
+    def load(self, index: int) -> Tensor:
+        """Buffer `index`, read from its file."""
+        return load_safetensors(buffer_file(self.directory, index))["rows"]

@@ -1,8 +1,8 @@
 """Reading an SAE's features: which latents a text lights up, a latent's top-activating contexts (its dashboard),
 the tokens its decoder direction promotes, and steering with it.
 
-All of them read the SAE as SAELens saves it (SparseAutoencoder.folded): latents in the model's units, each
-decoder row a unit vector, so that the numbers shown are the ones a user's SAELens copy shows.
+All of them read the SAE as SAELens saves it (SparseAutoencoder.folded): latents in the model's units (and a
+TopK or BatchTopK SAE's decoder rows unit vectors), so that the numbers shown are the ones a SAELens copy shows.
 
     token_latents(lm, sae, hook, ids)                   each position's most active latents
     top_contexts(lm, sae, hook, windows, latent)        the highest activations over held-out windows, in context
@@ -35,9 +35,9 @@ def check_latent(sae: SparseAutoencoder, latent: int) -> int:
 
 def latents_of(lm: nn.Module, sae: SparseAutoencoder, hook: str, ids: Tensor) -> Tensor:
     """(B, T, d_sae) the latents of each position of ids (B, T)."""
-    device = next(sae.parameters()).device
+    acts = read_activation(lm, hook, ids.to(next(lm.parameters()).device))
     with torch.no_grad():
-        return sae.encode(read_activation(lm, hook, ids).to(device).float())
+        return sae.encode(acts.to(next(sae.parameters()).device).float())
 
 
 def token_latents(lm: nn.Module, sae: SparseAutoencoder, hook: str, ids: Tensor,
@@ -66,7 +66,7 @@ def top_contexts(lm: nn.Module, sae: SparseAutoencoder, hook: str, windows: Iter
     check_latent(sae, latent)
     found: list[tuple[float, Tensor, Tensor, int]] = []  # (value, window ids, window activations, position)
     for ids, _ in windows:
-        acts = latents_of(lm, sae, hook, ids.to(next(lm.parameters()).device))[..., latent].cpu()  # (B, T)
+        acts = latents_of(lm, sae, hook, ids)[..., latent].cpu()  # (B, T)
         values, flat = acts.flatten().topk(min(top, acts.numel()))
         for value, index in zip(values.tolist(), flat.tolist(), strict=True):
             if value > 0:

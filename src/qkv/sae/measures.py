@@ -27,8 +27,11 @@ from qkv.interpret.hooks import hooked
 from qkv.sae.activations import Filters, read_activation
 from qkv.sae.model import SparseAutoencoder
 
+EVAL_BATCH = 8  # windows read together: the norm filter's median is over them, so every measurement uses 8
 
-def eval_windows(split: TokenSplit, block_size: int, windows: int, batch: int) -> Iterator[tuple[Tensor, Tensor]]:
+
+def eval_windows(split: TokenSplit, block_size: int, windows: int,
+                 batch: int = EVAL_BATCH) -> Iterator[tuple[Tensor, Tensor]]:  # fmt: skip
     """Up to `windows` held-out windows spread evenly over the split, in batches: (ids, next ids), each (B, T)."""
     count = split.window_count(block_size)
     starts = torch.linspace(0, count - 1, min(windows, count)).long()
@@ -50,7 +53,7 @@ def _losses(model: nn.Module, sae: SparseAutoencoder, hook: str, ids: Tensor, ta
     keep = mask[..., None]  # (B, T, 1)
 
     def rebuilt(a: Tensor) -> Tensor:
-        return torch.where(keep, sae(a).to(a.dtype), a)
+        return torch.where(keep, sae(a.to(next(sae.parameters()).device)).to(a), a)
 
     def zeroed(a: Tensor) -> Tensor:
         return torch.where(keep, torch.zeros_like(a), a)
@@ -89,13 +92,13 @@ class _Sums:
 def sae_measures(model: nn.Module, sae: SparseAutoencoder, hook: str, batches: Iterator[tuple[Tensor, Tensor]],
                  filters: Filters, losses: bool = True) -> dict[str, float]:  # fmt: skip
     """FVU, L0, dead share and (losses=True) the three next-token losses and the loss recovered (module docstring)."""
-    device = next(model.parameters()).device
+    device, sae_device = next(model.parameters()).device, next(sae.parameters()).device
     sums = _Sums()
     for ids, targets in batches:
         ids, targets = ids.to(device), targets.to(device)
         acts = read_activation(model, hook, ids)  # (B, T, d)
         mask = filters.mask(ids, acts)  # (B, T)
-        x = acts[mask].float()  # (N, d)
+        x = acts[mask].float().to(sae_device)  # (N, d)
         with torch.no_grad():
             latents = sae.encode(x)
             sums.add(x, sae.decode(latents), latents)
@@ -103,12 +106,12 @@ def sae_measures(model: nn.Module, sae: SparseAutoencoder, hook: str, batches: I
             sums.targets += targets.numel()
             batch = _losses(model, sae, hook, ids, targets, mask)
             sums.losses = tuple(a + b for a, b in zip(sums.losses, batch, strict=True))  # type: ignore[assignment]
-    if sums.rows == 0:
-        raise QkvError("no held-out activations were kept to measure the SAE on; give more validation text")
+    if sums.rows < 2:
+        raise QkvError("fewer than 2 held-out activations were kept to measure the SAE on; give more validation text")
     out = {"fvu": sums.fvu(), "l0": sums.active / sums.rows, "dead_share": float(sae.dead().float().mean()),
            "tokens": float(sums.rows)}  # fmt: skip
     if losses:
         clean, with_sae, zero = (loss / sums.targets for loss in sums.losses)
         out |= {"loss_clean": clean, "loss_sae": with_sae, "loss_zero": zero,
-                "loss_recovered": (zero - with_sae) / (zero - clean)}  # fmt: skip
+                "loss_recovered": (zero - with_sae) / (zero - clean) if zero != clean else float("nan")}  # fmt: skip
     return out

@@ -21,6 +21,7 @@ unit vector, whatever the decoder's norms drift to, and saving folds the norms i
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -159,7 +160,7 @@ class SparseAutoencoder(nn.Module):
     def folded(self) -> SparseAutoencoder:
         """The same function as an SAE without an input scale whose (rescaled) decoder rows are unit vectors: the form
         SAELens saves. Its latents are in the model's units (a rescaled SAE's are this one's divided by the scale)."""
-        out = SparseAutoencoder(self.cfg).eval()
+        out = copy.deepcopy(self).eval()  # on this SAE's device, without drawing an initialisation
         s = float(self.input_scale)
         w_enc, w_dec, b_enc = self.W_enc * s, self.W_dec / s, self.b_enc.clone()
         threshold = self.threshold.clone()
@@ -167,8 +168,9 @@ class SparseAutoencoder(nn.Module):
             norms = w_dec.norm(dim=-1)  # (d_sae,)
             w_enc, w_dec, b_enc, threshold = w_enc * norms, w_dec / norms[:, None], b_enc * norms, threshold / s
         for name, value in (("W_enc", w_enc), ("W_dec", w_dec), ("b_enc", b_enc), ("b_dec", self.b_dec / s),
-                            ("threshold", threshold), ("tokens_since_fired", self.tokens_since_fired)):  # fmt: skip
+                            ("threshold", threshold)):  # fmt: skip
             getattr(out, name).copy_(value)
+        out.input_scale.fill_(1.0)
         return out
 
     def dead(self) -> Tensor:

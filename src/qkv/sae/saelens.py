@@ -1,6 +1,7 @@
 """SAELens's format, both ways: a directory with cfg.json and sae_weights.safetensors (SAELens 6).
 
-Saving writes what SAELens's own `save_inference_model` writes: the input scale folded into the weights
+Saving writes what SAELens's own `save_inference_model` writes (with one correction: a BatchTopK threshold is
+divided by the input scale, which SAELens's trainer leaves as it is): the input scale folded into the weights
 (normalize_activations "none"), and for TopK and BatchTopK the decoder's row norms folded into the encoder, so that
 W_dec's rows are unit vectors. A BatchTopK SAE is saved as SAELens saves one, as a JumpReLU SAE whose thresholds are
 the learned one. Loading reads SAELens's topk, standard and jumprelu SAEs (any dtype, as float32).
@@ -69,18 +70,19 @@ def load_saelens(directory: str | Path) -> tuple[SparseAutoencoder, dict[str, An
     weights = {k: v.float() for k, v in load_safetensors(directory / WEIGHTS_FILE).items()}
     metadata = dict(raw.get("metadata") or {})
     cfg = _config_of(raw, metadata, directory)
-    sae = cfg.build().eval()
-    if not raw.get("apply_b_dec_to_input", True):  # x·W_enc = (x − b_dec)·W_enc + b_dec·W_enc
-        weights["b_enc"] = weights["b_enc"] + weights["b_dec"] @ weights["W_enc"]
-    threshold = weights.pop("threshold", None)
     missing = {"W_enc", "W_dec", "b_enc", "b_dec"} - set(weights)
+    if cfg.architecture == "batchtopk" and "threshold" not in weights:
+        missing.add("threshold")
     if missing:
         raise QkvError(f"{directory / WEIGHTS_FILE} lacks {', '.join(sorted(missing))}")
+    sae = cfg.build().eval()
     with torch.no_grad():
         for name in ("W_enc", "W_dec", "b_enc", "b_dec"):
             _copy(getattr(sae, name), weights[name], name, directory)
-        if threshold is not None:
-            _copy(sae.threshold, threshold.double(), "threshold", directory)
+        if not raw.get("apply_b_dec_to_input", True):  # x·W_enc = (x − b_dec)·W_enc + b_dec·W_enc
+            sae.b_enc.add_(sae.b_dec @ sae.W_enc)
+        if "threshold" in weights:
+            _copy(sae.threshold, weights["threshold"].double(), "threshold", directory)
     return sae, metadata
 
 
@@ -91,7 +93,10 @@ def _config_of(raw: dict[str, Any], metadata: dict[str, Any], directory: Path) -
         raise QkvError(f"{directory / CFG_FILE}: normalize_activations {raw.get('normalize_activations')!r} and "
                        f"reshape_activations {raw.get('reshape_activations')!r} are not supported; fold them first")
     details = metadata.get("training_architecture_details") or {}
-    common: dict[str, Any] = {"d_model": int(raw["d_in"]), "d_sae": int(raw["d_sae"])}
+    try:
+        common: dict[str, Any] = {"d_model": int(raw["d_in"]), "d_sae": int(raw["d_sae"])}
+    except (KeyError, TypeError, ValueError):
+        raise QkvError(f"{directory / CFG_FILE} needs d_in and d_sae as whole numbers") from None
     if arch == "topk":
         return SAEConfig(**common, architecture="topk", k=int(raw.get("k", 100)),
                          rescale_by_decoder_norm=bool(raw.get("rescale_acts_by_decoder_norm", False)))  # fmt: skip

@@ -13,7 +13,7 @@ recovered) in the last one and in `qkv eval`. The lowest held-out FVU keeps mode
 from __future__ import annotations
 
 import dataclasses
-import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +28,7 @@ from qkv.errors import QkvError
 from qkv.finetune.base import Base, load_base
 from qkv.interpret.hooks import check_name, hook_sites
 from qkv.io.devices import resolve_device
+from qkv.io.files import load_json
 from qkv.io.invocation import program
 from qkv.io.run_dir import CHECKPOINT_DIR, read_run_config
 from qkv.sae import SAEConfig, SparseAutoencoder
@@ -36,6 +37,7 @@ from qkv.sae.cache import CachedStream
 from qkv.sae.measures import eval_windows, sae_measures
 from qkv.tasks.base import EvalOptions, LoadedRun
 from qkv.training import Evaluation, RunConfig, Task, TrainResult
+from qkv.training.checkpoint import LATEST
 from qkv.training.config import DataConfig, EvalConfig, OptimConfig, ScheduleConfig
 
 READABLE = ("resid_pre", "resid_mid", "resid_post", "attn_out", "ffn_out")  # hooks of width d_model, one per position
@@ -72,6 +74,8 @@ class SAETrainConfig(RunConfig[SAEConfig]):
         super().check()
         if self.block_size < 2 or self.buffer_tokens < 1 or self.eval_windows < 1:
             raise QkvError("block-size must be ≥ 2, buffer-tokens and eval-windows ≥ 1")
+        if self.system.seed < 0:
+            raise QkvError(f"seed must be ≥ 0, got {self.system.seed}")
         if self.b_dec_init not in ("median", "mean", "zeros"):
             raise QkvError(f"b-dec-init must be median, mean or zeros, got {self.b_dec_init!r}")
         if self.max_norm_ratio is not None and self.max_norm_ratio <= 1:
@@ -155,21 +159,22 @@ def cache_about(cfg: SAETrainConfig, base: Base, hook: str, data: TokenData) -> 
 
 def checkpoint_step(run_dir: Path) -> int:
     """The step of a run's committed checkpoint (0 without one)."""
-    pointer = run_dir / CHECKPOINT_DIR / "latest.json"
-    return int(json.loads(pointer.read_text())["step"]) if pointer.is_file() else 0
+    pointer = run_dir / CHECKPOINT_DIR / LATEST
+    return int(load_json(pointer, "checkpoint pointer")["step"]) if pointer.is_file() else 0
 
 
 class SAETask(Task):
-    """Train an SAE on a frozen model's activations; the lowest held-out FVU keeps the best weights."""
+    """Train an SAE on a frozen model's activations. The lowest held-out FVU keeps the best weights of a TopK SAE;
+    a BatchTopK or ReLU SAE's L0 moves while it trains (a threshold, a penalty), so there the latest weights do."""
 
     name = "sae"
-    best_metric = "val_fvu"
+    best_metric = "val_choice"
 
     def __init__(self, cfg: SAETrainConfig) -> None:
         super().__init__(cfg)
         self.cfg: SAETrainConfig = cfg
         self.start: dict[str, Tensor] = {}  # the input scale and b_dec a new run starts from
-        self.last: dict[str, float] = {}
+        self.last: dict[str, Tensor] = {}
 
     @classmethod
     def run_name(cls, cfg: RunConfig[Any]) -> str:
@@ -181,8 +186,13 @@ class SAETask(Task):
     def setup(self, run_dir: Path, resume: bool) -> None:
         """Load and check the model, hook and data; open the stream where the run stands; a new run measures the
         input scale and b_dec's start on a sample of its own."""
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise QkvError("an SAE trains on one process: drop --nproc and torchrun")
         stored = read_run_config(run_dir).get("base") if resume else None
         self.base, self.hook, self.data = load_subject(self.cfg, stored, resolve_device(self.cfg.system.device))
+        if self.data.split("val").window_count(self.cfg.block_size) < 1:
+            raise QkvError(f"the validation split of {self.cfg.source} holds no window of {self.cfg.block_size + 1} "
+                           "tokens to measure the SAE on; lower --block-size or prepare more text")  # fmt: skip
         self.cfg = dataclasses.replace(self.cfg, hook=self.hook)
         self.filters = filters_of(self.cfg, self.base)
         self.stream: Buffered = self._stream(self.cfg.system.seed)
@@ -218,7 +228,10 @@ class SAETask(Task):
 
     def _starting_point(self) -> dict[str, Tensor]:
         """The input scale (mean norm √d) and b_dec's start, from INIT_ROWS activations of a stream of their own."""
-        rows = self._stream(self.cfg.system.seed + 1).rows(0, min(INIT_ROWS, self.cfg.buffer_tokens))
+        cfg = self.cfg
+        sample = ActivationStream(self.base.model, self.hook, self.data.split("train"), cfg.block_size, self.filters,
+                                  INIT_ROWS, cfg.system.seed + 1)  # fmt: skip
+        rows = sample.buffer(0)
         scale = rows.shape[-1] ** 0.5 / rows.norm(dim=-1).mean()
         scaled = rows * scale
         b_dec = {"median": geometric_median, "mean": lambda r: r.mean(0), "zeros": lambda r: torch.zeros(r.shape[-1])}
@@ -260,7 +273,7 @@ class SAETask(Task):
         return cast(Tensor, model(batch.x))
 
     def criterion(self, logits: Tensor, batch: SAEBatch) -> Tensor:
-        """The reconstruction's squared error, summed over the width, in the SAE's normalised units."""
+        """Not used: an SAE's loss needs its latents, not only its reconstruction (SAETask.loss)."""
         raise QkvError("an SAE's training loss is SparseAutoencoder.loss (SAETask.loss)")
 
     def loss(self, model: Callable[..., Any], batch: SAEBatch) -> Tensor:
@@ -268,15 +281,16 @@ class SAETask(Task):
         if not isinstance(model, SparseAutoencoder):
             raise QkvError("an SAE trains on one process (no --nproc, no torchrun)")
         loss = model.loss(batch.x * model.input_scale)
-        self.last = {"mse": float(loss.mse.detach()), "aux": float(loss.auxiliary.detach()),
-                     "l0": float((loss.latents > 0).sum(-1).float().mean())}  # fmt: skip
+        self.last = {"mse": loss.mse.detach(), "aux": loss.auxiliary.detach(),
+                     "l0": (loss.latents > 0).sum(-1).float().mean()}  # fmt: skip
         return loss.total
 
     def progress_note(self) -> str:
         """The latest step's MSE, auxiliary loss and L0."""
         if not self.last:
             return ""
-        return f"mse {self.last['mse']:.3f}  aux {self.last['aux']:.3f}  L0 {self.last['l0']:.1f}  "
+        last = {k: float(v) for k, v in self.last.items()}  # read here, once per shown step, not at every step
+        return f"mse {last['mse']:.3f}  aux {last['aux']:.3f}  L0 {last['l0']:.1f}  "
 
     @property
     def partial_evaluation(self) -> bool:
@@ -286,9 +300,11 @@ class SAETask(Task):
     def evaluate(self, ev: Evaluation) -> dict[str, float]:
         """FVU, L0 and the dead share on held-out windows; in the last evaluation, the losses too."""
         sae = cast(SparseAutoencoder, ev.model)
-        windows = eval_windows(self.data.split("val"), self.cfg.block_size, self.cfg.eval_windows, 8)
+        windows = eval_windows(self.data.split("val"), self.cfg.block_size, self.cfg.eval_windows)
         measures = sae_measures(self.base.model, sae, self.hook, windows, self.filters, losses=ev.full)
-        return {f"val_{k}": v for k, v in measures.items() if k != "tokens"}
+        results = {f"val_{k}": v for k, v in measures.items() if k != "tokens"}
+        latest = -float(self.position or 0)  # lower is later
+        return {**results, "val_choice": results["val_fvu"] if self.cfg.model.architecture == "topk" else latest}
 
     def summary(self, result: TrainResult) -> str:
         """The held-out measures, and what to run next."""
@@ -322,13 +338,13 @@ class SAERun(LoadedRun):
         """The language model, hook and data the SAE was trained on, the model's weights checked."""
         stored = read_run_config(self.directory)
         cfg = dataclasses.replace(self.config, source=(stored.get("data") or {}).get("directory", self.config.source))
-        return load_subject(cfg, stored.get("base"))
+        return load_subject(cfg, stored.get("base"), self.device)
 
     def evaluate(self, options: EvalOptions) -> list[str]:
         """FVU, L0, the dead share and the loss recovered on the held-out windows."""
         options.refuse_beam_options(self.task)
         base, hook, data = self.subject()
-        windows = eval_windows(data.split("val"), self.config.block_size, self.config.eval_windows, options.batch_size)
+        windows = eval_windows(data.split("val"), self.config.block_size, self.config.eval_windows)
         m = sae_measures(base.model, self.model, hook, windows, filters_of(self.config, base))
         return [f"{hook} of {Path(base.reference['path']).name}, {int(m['tokens']):,} held-out activations "
                 f"({self.checkpoint} weights):",

@@ -13,7 +13,7 @@ from qkv.data.tokens import TokenData
 from qkv.errors import QkvError
 from qkv.finetune.base import Base, load_base
 from qkv.interpret.hooks import check_name, hook_sites
-from qkv.io.devices import resolve_device
+from qkv.io.devices import matmul_precision, resolve_device, resolve_dtype
 from qkv.sae import SparseAutoencoder
 from qkv.sae.activations import ActivationStream
 from qkv.sae.cache import write_cache
@@ -31,11 +31,12 @@ def cache_activations(cfg: SAETrainConfig, tokens: int, out: str | Path) -> Path
                               cfg.system.seed)  # fmt: skip
     line = ProgressLine()
     show = batch_progress(line, f"caching {tokens:,} activations of {hook}", after_s=0.0)
-    where = write_cache(stream, tokens, out, {**cache_about(cfg, base, hook, data), "block_size": cfg.block_size},
-                        show)  # fmt: skip
+    device = next(base.model.parameters()).device
+    with matmul_precision(device, resolve_dtype(cfg.system.dtype, device)):  # as a training run computes them
+        where = write_cache(stream, tokens, out, {**cache_about(cfg, base, hook, data), "block_size": cfg.block_size},
+                            show)  # fmt: skip
     line.close_if_drawn()
     return where
-
 
 
 @dataclass

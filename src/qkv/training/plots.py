@@ -8,7 +8,7 @@ from typing import Any
 # The held-out curve drawn beside the training loss: (legend, y-axis label).
 HELD_OUT = {"val_loss": ("validation", "cross-entropy loss (nats / token)"),
             "val_reward": ("held-out reward", "loss, and mean reward"),
-            "val_fvu": ("held-out FVU", "loss, and held-out fraction of variance unexplained")}
+            "val_fvu": ("held-out FVU", "held-out fraction of variance unexplained")}
 
 
 def plot_losses(metrics: list[dict[str, Any]], path: Path, title: str = "Training curves") -> None:
@@ -22,13 +22,19 @@ def plot_losses(metrics: list[dict[str, Any]], path: Path, title: str = "Trainin
     steps = [m["step"] for m in metrics]
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     ax.plot(steps, [m["train_loss"] for m in metrics], marker="o", ms=3, label="train")
-    key = next(k for k in HELD_OUT if k in metrics[0])  # a GRPO run's evaluation is a reward, an SAE's its FVU
-    label, axis = HELD_OUT[key]
-    ax.plot(steps, [m[key] for m in metrics], marker="o", ms=3, label=label)
+    key = next((k for k in HELD_OUT if k in metrics[0]), None)  # a GRPO run's evaluation is a reward, an SAE's FVU
     ax.set_xlabel("optimiser step")
-    ax.set_ylabel(axis)
     ax.set_title(title)
     ax.grid(alpha=0.3)
+    if key is not None:
+        label, axis = HELD_OUT[key]
+        # An SAE's loss (normalised units, tens) and its FVU (0–1) need an axis each.
+        held = ax.twinx() if key == "val_fvu" else ax
+        held.plot(steps, [m[key] for m in metrics], marker="o", ms=3, label=label, color="C1")
+        held.set_ylabel(axis)
+        if held is not ax:
+            ax.set_ylabel("training loss (normalised units)")
+            held.legend(loc="upper center")
     ax.legend()
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}.tmp.png")
