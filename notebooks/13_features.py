@@ -22,11 +22,11 @@
 #     a = TopK((x − b_dec) W_enc + b_enc)        x̂ = a W_dec + b_dec,
 #
 # with far more directions (latents) than dimensions, and only k of them active per token. Each latent is a
-# candidate *feature*. Here we check that idea where we know the answer: we plant a made-up word, " zyx", after
-# 6 % of the words of some Shakespeare, train a small model on it, train an SAE on the model's residual stream,
-# and look for a latent that means " zyx".
+# candidate *feature*. Here we check that idea where we know the answer: we plant a made-up phrase, " zyx qrv",
+# after 6 % of the words of some Shakespeare, train a small model on it, train an SAE on the model's residual
+# stream, and look for a latent that means " zyx". The model has a reason to represent " zyx": it predicts " qrv".
 #
-# Everything runs on the CPU in about twenty seconds.
+# Everything runs on the CPU in seconds.
 
 # %%
 # %matplotlib inline
@@ -48,7 +48,7 @@ from qkv.tasks.sae_open import open_sae
 work = Path(tempfile.mkdtemp())
 rng = random.Random(0)
 words = load_shakespeare()[:80_000].split(" ")  # the opening of Coriolanus
-text = " ".join(w if rng.random() > 0.06 else f"{w} zyx" for w in words)
+text = " ".join(w if rng.random() > 0.06 else f"{w} zyx qrv" for w in words)
 (work / "text.txt").write_text(text, encoding="utf-8")
 print(text[3000:3300])
 
@@ -115,14 +115,16 @@ fig
 # ## The claim
 #
 # One latent out of 512 is the planted word: it fires on " zyx" and almost nowhere else, with precision and
-# recall of at least 0.9. No latent was told about " zyx"; the SAE found the direction because the model uses it.
+# recall of at least 0.9. No latent was told about " zyx"; the SAE found the direction because the model uses it
+# (to predict " qrv").
 
 # %%
 assert precision[best] >= 0.9 and recall[best] >= 0.9
 
 # %% [markdown]
 # Its dashboard: the held-out contexts where it is most active, and the tokens its decoder direction promotes
-# through the model's output head (the logit lens of the latent).
+# through the model's output head (the logit lens of the latent). The token it promotes most is " qrv": the
+# direction is what the model reads to predict the planted phrase's second word.
 
 # %%
 for c in top_contexts(view.base.model, view.sae, view.hook, eval_windows(view.data.split("val"), 32, 200, 16),
@@ -131,13 +133,14 @@ for c in top_contexts(view.base.model, view.sae, view.hook, eval_windows(view.da
                                         for i, t in enumerate(c.tokens)))
 up, _ = promoted_tokens(view.base.model, view.sae, best, top=5)
 print("promotes:", [tokenizer.decode([t]) for t, _ in up])
+assert tokenizer.decode([up[0][0]]) == " qrv"
 
 # %% [markdown]
 # ## Steering
 #
 # Adding a multiple of the latent's decoder direction to the residual stream at every position writes the
 # feature into the model. A unit of the direction is small next to the stream, so α is a few times the latent's
-# largest activation above. Told "you just read ' zyx'" at every position, the model continues differently.
+# largest activation above. Told "you just read ' zyx'" at every position, the model says " qrv" again and again.
 
 # %%
 ids = torch.tensor([tokenizer.encode("ROMEO: What")])
@@ -145,7 +148,7 @@ plain = tokenizer.decode(steered(view.base.model, view.sae, view.hook, ids, best
 pushed = tokenizer.decode(steered(view.base.model, view.sae, view.hook, ids, best, 50.0, 20))
 print("as it is:", repr(plain))
 print("steered: ", repr(pushed))
-assert pushed != plain
+assert "qrv" in pushed and "qrv" not in plain
 
 # %% [markdown]
 # ## Try this
@@ -153,6 +156,6 @@ assert pushed != plain
 # - Read `decoder.layers.0.resid_pre` (the embeddings alone) or `decoder.layers.1.resid_post` instead.
 # - Train with `model={"architecture": "relu", "l1_coefficient": 5.0}`: an L1 penalty instead of TopK. What L0
 #   do you get?
-# - Make the model narrower (`d_model` 32): the planted word no longer gets a latent of its own. Why?
+# - Plant " zyx" alone (`f"{w} zyx"`), so that it predicts nothing: does it still get a latent of its own? Why?
 # - On a real model: `qkv interpret sae train` on SmolLM2 (see "Looking inside a model") and
 #   `qkv interpret features RUN --random 5`.

@@ -226,13 +226,13 @@ def test_the_geometric_median_beats_the_mean_on_outliers() -> None:
 
 @pytest.mark.slow
 def test_a_planted_token_is_recovered_by_one_latent(tmp_path: Path) -> None:
-    """Text with a made-up word planted after 6 % of its words (one BPE token, 1 % of tokens): a small model (2 layers,
-    width 128) learns it, and an SAE on its layer-1 residual stream has one latent that fires on the planted token
-    with precision ≥ 0.9 and recall ≥ 0.9. (At width 32 no latent does: the residual stream is too narrow to give
-    the token a direction of its own, and its best latent also fires on function words.)"""
+    """Text with a made-up phrase, " zyx qrv", planted after 6 % of its words (" zyx" is one BPE token, 1 % of the
+    tokens): a small model (2 layers, width 128) learns that " zyx" predicts " qrv", and an SAE on its layer-1
+    residual stream has one latent that fires on " zyx" with precision ≥ 0.9 and recall ≥ 0.9. (Planted alone,
+    predicting nothing, " zyx" shares its best latent with other tokens: the model has no use for its own direction.)"""
     rng = random.Random(0)
     words = load_shakespeare()[:80_000].split(" ")
-    planted = " ".join(w if rng.random() > 0.06 else f"{w} zyx" for w in words)
+    planted = " ".join(w if rng.random() > 0.06 else f"{w} zyx qrv" for w in words)
     (tmp_path / "text.txt").write_text(planted, encoding="utf-8")
     model = ["--n-layers", "2", "--d-model", "128", "--n-heads", "4", "--block-size", "32", "--batch-size", "16",
              "--sample-tokens", "0", "--device", "cpu"]  # fmt: skip
