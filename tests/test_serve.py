@@ -165,7 +165,10 @@ def test_past_the_queue_a_429_with_retry_after(server: Server) -> None:
         conn.request("POST", "/v1/completions", json.dumps(body),
                      {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})  # fmt: skip
         held.append(conn)
-        time.sleep(0.3)
+    deadline = time.monotonic() + 30  # the server has taken all three (on a loaded machine this takes a while)
+    while (server.health()["slots_busy"], server.health()["queued"]) != (2, 1) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert (server.health()["slots_busy"], server.health()["queued"]) == (2, 1)
     for stream in (False, True):  # a stream is refused before it starts, with the same 429
         status, headers, error = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stream": stream})
         assert status == 429 and headers["retry-after"] == "2"
