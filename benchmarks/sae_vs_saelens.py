@@ -94,7 +94,7 @@ def run(argv: list[str], marks: dict[str, float] | None = None, when: Any = None
 def cache(work: Path, data: Path, tokens: int, result: dict[str, Any]) -> Path:
     """The activation cache, with the peak RSS at a quarter of it and at the end."""
     out = work / "cache"
-    if (out / "meta.json").is_file():
+    if (out / "meta.json").is_file() and json.loads((out / "meta.json").read_text()).get("complete"):
         return out
     marks: dict[str, float] = {}
     quarter = tokens // 4
