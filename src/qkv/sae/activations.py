@@ -16,6 +16,7 @@ does not grow with the number of tokens trained on: a buffer held, and the next 
 from __future__ import annotations
 
 import contextlib
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,15 +69,15 @@ class Filters:
         return mask
 
 
-class Buffered:
+class Buffered(ABC):
     """Rows at any position of a sequence kept as numbered buffers of buffer_tokens rows each, one held at a time."""
 
     buffer_tokens: int
     _held: tuple[int, Tensor] | None = None  # (index, rows) of the buffer held
 
+    @abstractmethod
     def load(self, index: int) -> Tensor:
         """(buffer_tokens, d) buffer `index`, made or read anew."""
-        raise NotImplementedError
 
     def buffer(self, index: int) -> Tensor:
         """Buffer `index`: the one held, or loaded (the one held is let go first, so that one is in memory)."""
