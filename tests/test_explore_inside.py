@@ -170,19 +170,19 @@ def test_one_map_at_a_time_and_abandoned_maps_stop() -> None:
             release.wait(5)
             yield "resid", i, [float(i)]
 
-    first = jobs.start(lambda: (3, rows()))
+    first = jobs.start_map(lambda: (3, rows()))
     with pytest.raises(RequestError) as busy:
-        jobs.start(lambda: (3, rows()))
+        jobs.start_map(lambda: (3, rows()))
     assert busy.value.status == 429 and "another patching map" in str(busy.value)
     release.set()
     wait_for(lambda: jobs.get(first.id).state == "done", "the first map")
     assert jobs.get(first.id).snapshot()["resid"] == [[0.0], [1.0], [2.0]]
     release.clear()
-    second = jobs.start(lambda: (3, rows()))  # the slot is free again
+    second = jobs.start_map(lambda: (3, rows()))  # the slot is free again
     time.sleep(0.5)  # nobody polls it
     release.set()
     wait_for(lambda: second.state != "running", "the abandoned map to stop")
-    assert second.state == "cancelled" and len(second.resid) == 1
+    assert second.state == "cancelled" and len(second.view["resid"]) == 1
     with pytest.raises(RequestError) as unknown:
         jobs.get("nothing")
     assert unknown.value.status == 404
@@ -207,9 +207,9 @@ def test_a_map_seen_ended_has_given_its_slot_back() -> None:
     under load: the map said done before its slot was free, and the next start waited 0.2 s for it in vain)."""
     jobs = PatchJobs(running=1, wait_s=0.2, abandoned_s=30.0)
     jobs._slots = _LateRelease(jobs._slots)  # type: ignore[assignment]
-    first = jobs.start(lambda: (1, iter([("resid", 0, [1.0])])))
+    first = jobs.start_map(lambda: (1, iter([("resid", 0, [1.0])])))
     wait_for(lambda: jobs.get(first.id).state == "done", "the first map")
-    second = jobs.start(lambda: (1, iter([("resid", 0, [2.0])])))  # no 429: the slot is free
+    second = jobs.start_map(lambda: (1, iter([("resid", 0, [2.0])])))  # no 429: the slot is free
     wait_for(lambda: jobs.get(second.id).state == "done", "the second map")
 
 

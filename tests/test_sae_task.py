@@ -18,7 +18,7 @@ from qkv.data import load_shakespeare
 from qkv.data.tokens import open_data
 from qkv.errors import QkvError
 from qkv.sae import SAEConfig, load_saelens, save_saelens
-from qkv.sae.activations import ActivationStream, Filters, geometric_median
+from qkv.sae.activations import ActivationStream, Filters, geometric_median, read_activation
 from qkv.sae.cache import CachedStream, write_cache
 from qkv.sae.features import token_latents
 from qkv.sae.measures import eval_windows, sae_measures
@@ -131,6 +131,13 @@ def test_eval_reports_the_measures_of_the_python_api(capsys: pytest.CaptureFixtu
     assert f"loss recovered {m['loss_recovered']:.1%}" in out
     assert 0 < m["fvu"] < 1 and m["loss_zero"] > m["loss_clean"]
     assert m["l0"] == pytest.approx(32, abs=1e-6)
+    fired = torch.zeros(run.model.cfg.latents, dtype=torch.bool)  # latents firing on some kept held-out row
+    for ids, _ in eval_windows(data.split("val"), 32, 16):
+        acts = read_activation(base.model, hook, ids)
+        with torch.no_grad():
+            fired |= (run.model.encode(acts[filters_of(run.config, base).mask(ids, acts)]) > 0).any(0)
+    assert m["unfired_share"] == pytest.approx(1 - float(fired.float().mean()), abs=1e-9)
+    assert f"{m['unfired_share']:.1%} never fired here" in out
 
 
 def test_the_export_loads_as_the_runs_folded_sae(capsys: pytest.CaptureFixture[str], sae_run: Path,

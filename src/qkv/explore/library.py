@@ -15,6 +15,7 @@ from typing import Any
 from qkv.errors import QkvError
 
 TASKS = ("lm", "translate", "mlm")  # the tasks whose runs read text (copy and reverse use digit vocabularies)
+SAE_TASK = "sae"  # an SAE run, read on the language model it records (the Features tab)
 SEARCH_DEPTH = 3  # how deep under runs/ the explorer looks for run directories
 
 
@@ -67,7 +68,7 @@ class RunLibrary:
                 task: str | None = model_task(path)
             except (QkvError, OSError, KeyError):
                 task = None
-            self._infos[path] = RunInfo(self._name(path), task, path) if task in TASKS else None
+            self._infos[path] = RunInfo(self._name(path), task, path) if task in (*TASKS, SAE_TASK) else None
         return self._infos[path]
 
     def available(self) -> list[RunInfo]:
@@ -94,11 +95,14 @@ class RunLibrary:
                                     "of a language model")  # fmt: skip
         return info
 
-    def load(self, name: str) -> Any:
-        """The loaded run (qkv.tasks.load) a request names; each run is read from disk once."""
+    def load(self, name: str, tasks: tuple[str, ...] = (*TASKS, SAE_TASK)) -> Any:
+        """The loaded run (qkv.tasks.load) a request names, of one of `tasks`; each run is read from disk once."""
         from qkv.tasks import load
 
         info = self.resolve(name)
+        if info.task not in tasks:
+            wanted = "an SAE run" if tasks == (SAE_TASK,) else "a run of a model that reads text"
+            raise RequestError(400, f"{name!r} is a {info.task} run; this view opens {wanted}")
         with self._lock:
             if info.path not in self._loaded:
                 try:

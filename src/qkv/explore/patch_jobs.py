@@ -12,12 +12,7 @@ forward pass at a time (a layer's row per position, or per head), so each row is
 
 from __future__ import annotations
 
-import secrets
-import threading
-import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,7 +20,7 @@ from torch import Tensor
 
 from qkv.errors import QkvError
 from qkv.explore.inside import device_of, prompt_ids, single_stack
-from qkv.explore.library import RequestError
+from qkv.explore.jobs import ABANDONED_S, START_WAIT_S, Job, Jobs, Steps
 from qkv.interpret.patching import Row, plan_patching
 from qkv.models import DecoderLM
 
@@ -33,96 +28,31 @@ MAX_PATCH_TOKENS = 32  # each layer's pass runs T copies of a T-token prompt: th
 # Parameters × tokens a whole map may run through the model (~2 FLOPs each): ten times SmolLM2-135M's map of
 # "The capital of France is"; longer prompts on large models are refused up front, before any work.
 MAX_PATCH_WORK = 2e12
-RUNNING = 1  # maps computed at once
-START_WAIT_S = 30.0  # how long a new map waits for the one before it to stop (a cancel lands within one pass)
-ABANDONED_S = 20.0  # a map not polled for this long stops: the page that asked for it is gone
-KEPT = 16  # finished maps kept for their last polls
 
 
-@dataclass
-class Job:
-    """One map being computed: its rows so far, its state, and when the page last asked about it."""
-
-    id: str
-    total: int  # forward passes (rows) in all
-    resid: list[list[float]] = field(default_factory=list)
-    heads: list[list[float]] = field(default_factory=list)
-    state: str = "running"  # then "done", "cancelled" or "failed"
-    error: str | None = None
-    polled: float = field(default_factory=time.monotonic)
-    stop: threading.Event = field(default_factory=threading.Event)
-
-    def snapshot(self) -> dict[str, Any]:
-        """The job as the page reads it: counts, the rows done so far, and the error of a failed one."""
-        out = {"job": self.id, "state": self.state, "done": len(self.resid) + len(self.heads), "total": self.total,
-               "resid": list(self.resid), "heads": list(self.heads)}  # fmt: skip
-        return {**out, "error": self.error} if self.error is not None else out
+def map_steps(rows: Iterator[Row]) -> Steps:
+    """A job's steps from a plan's rows: after each forward pass, the map's rows so far {resid, heads}."""
+    resid: list[list[float]] = []
+    heads: list[list[float]] = []
+    for kind, _, effects in rows:
+        (resid if kind == "resid" else heads).append([float(v) for v in effects])
+        yield {"resid": list(resid), "heads": list(heads)}
 
 
-class PatchJobs:
-    """The maps of one server: at most `running` computed at once, each in its own thread."""
+class PatchJobs(Jobs):
+    """Patching maps, one computed at a time; a job's steps are a plan's rows (kind, layer, effects)."""
 
-    def __init__(self, running: int = RUNNING, wait_s: float = START_WAIT_S, abandoned_s: float = ABANDONED_S,
-                 kept: int = KEPT) -> None:  # fmt: skip
-        self._slots = threading.BoundedSemaphore(running)
-        self.wait_s, self.abandoned_s, self.kept = wait_s, abandoned_s, kept
-        self._jobs: OrderedDict[str, Job] = OrderedDict()
-        self._lock = threading.Lock()
+    def __init__(self, running: int = 1, wait_s: float = START_WAIT_S, abandoned_s: float = ABANDONED_S) -> None:
+        super().__init__("patching map", running, wait_s, abandoned_s)
 
-    def start(self, prepare: Callable[[], tuple[int, Iterator[Row]]]) -> Job:
-        """Run prepare() (its errors are the request's), then compute its rows in a thread: (total, rows)."""
-        if not self._slots.acquire(timeout=self.wait_s):
-            raise RequestError(429, "another patching map is being computed; wait for it to finish or cancel it")
-        try:
+    def start_map(self, prepare: Callable[[], tuple[int, Iterator[Row]]]) -> Job:
+        """Start a map: prepare() gives (total rows, rows); the job's view starts empty."""
+
+        def steps() -> tuple[int, Steps]:
             total, rows = prepare()
-        except BaseException:
-            self._slots.release()
-            raise
-        job = Job(secrets.token_hex(8), total)
-        with self._lock:
-            self._jobs[job.id] = job
-            finished = [j for j in self._jobs.values() if j.state != "running"]
-            for old in finished[: max(0, len(self._jobs) - self.kept)]:
-                del self._jobs[old.id]
-        threading.Thread(target=self._run, args=(job, rows), name=f"qkv-patching-{job.id}", daemon=True).start()
-        return job
+            return total, map_steps(rows)
 
-    def _run(self, job: Job, rows: Iterator[Row]) -> None:
-        """Compute the rows one forward pass at a time, stopping between two when cancelled or abandoned.
-
-        The slot is given back before the job's end is published: whoever sees it done may start the next map at
-        once, however late this thread runs again.
-        """
-        ended = "done"
-        try:
-            with torch.no_grad():
-                for done in range(job.total):
-                    if done and (job.stop.is_set() or time.monotonic() - job.polled > self.abandoned_s):
-                        ended = "cancelled"
-                        break
-                    kind, _, effects = next(rows)  # the next layer's forward pass
-                    (job.resid if kind == "resid" else job.heads).append([float(v) for v in effects])
-        except Exception as err:  # a fault of the model, not of the request: the page shows it as the map's end
-            job.error = " ".join(f"{type(err).__name__}: {err}".split())[:500]
-            ended = "failed"
-        finally:
-            self._slots.release()
-            job.state = ended
-
-    def get(self, job_id: str) -> Job:
-        """The job with this id (marked as polled now), or a 404."""
-        with self._lock:
-            job = self._jobs.get(job_id)
-        if job is None:
-            raise RequestError(404, f"no patching map {job_id[:40]!r}: it finished long ago or never existed")
-        job.polled = time.monotonic()
-        return job
-
-    def cancel(self, job_id: str) -> Job:
-        """Stop a map after its current forward pass."""
-        job = self.get(job_id)
-        job.stop.set()
-        return job
+        return self.start(steps, {"resid": [], "heads": []})
 
 
 JOBS = PatchJobs()
@@ -189,7 +119,7 @@ def start(run: Any, clean_text: str, corrupted_text: str, answer_text: str | Non
         chosen["plan"] = p = plan_patching(model, clean, corrupted, answer, wrong, heads)
         return p.total, p.rows()
 
-    job = jobs.start(prepare)
+    job = jobs.start_map(prepare)
     p = chosen["plan"]
     return {"job": job.id, "total": job.total, "n_layers": p.n_layers, "n_heads": p.n_heads, "heads": heads,
             "clean_tokens": [tokenizer.decode([i]) for i in clean_ids],

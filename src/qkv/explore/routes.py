@@ -13,6 +13,11 @@
     POST /api/heads        {run, seed?, length?, batch?}: every head's induction and previous-token scores
     POST /api/patching     {run, clean, corrupted, answer?, wrong?, heads?}: starts a patching map (patch_jobs.py)
     POST /api/patching_status {job}: its rows so far;  POST /api/patching_cancel {job}: stop it
+    POST /api/sae          {run}: an SAE run's model, hook and size (features.py)
+    POST /api/features     {run, text, top?, hook?}: each token's most active latents
+    POST /api/feature      {run, latent, top?, windows?, hook?}: its promoted tokens; starts its dashboard's search
+    POST /api/feature_status {job}: its top contexts so far;  POST /api/feature_cancel {job}: stop it
+    POST /api/steer        {run, latent, alpha, prompt, max_new_tokens?, hook?}: greedy text without and with it
 GET /api/runs lists the runs the page may open.
 """
 
@@ -22,9 +27,9 @@ from collections.abc import Callable
 from typing import Any
 
 from qkv.errors import QkvError
-from qkv.explore import inside, model_panel, panels, patch_jobs
+from qkv.explore import features, inside, model_panel, panels, patch_jobs
 from qkv.explore.body import Body
-from qkv.explore.library import TASKS, RunLibrary
+from qkv.explore.library import SAE_TASK, TASKS, RunLibrary
 from qkv.generation import Sampling
 from qkv.lab.walkthrough import TRAINABLE_SENTENCE
 
@@ -71,8 +76,13 @@ def norms(library: RunLibrary, body: Body) -> dict[str, Any]:
 
 
 def _run(library: RunLibrary, body: Body) -> Any:
-    """The loaded run the request names."""
-    return library.load(body.text("run", limit=4096))
+    """The loaded run the request names: one whose model reads text."""
+    return library.load(body.text("run", limit=4096), TASKS)
+
+
+def _sae(library: RunLibrary, body: Body) -> Any:
+    """The loaded SAE run the request names."""
+    return library.load(body.text("run", limit=4096), (SAE_TASK,))
 
 
 def model(library: RunLibrary, body: Body) -> dict[str, Any]:
@@ -135,11 +145,57 @@ def patching_cancel(library: RunLibrary, body: Body) -> dict[str, Any]:
     return patch_jobs.JOBS.cancel(body.text("job", limit=64)).snapshot()
 
 
+def sae(library: RunLibrary, body: Body) -> dict[str, Any]:
+    """POST /api/sae."""
+    return features.describe(_sae(library, body))
+
+
+def _hook(body: Body) -> str | None:
+    return body.optional_text("hook", limit=400)
+
+
+def feature_tokens(library: RunLibrary, body: Body) -> dict[str, Any]:
+    """POST /api/features."""
+    return features.token_view(_sae(library, body), body.text("text"),
+                               body.integer("top", 1, features.MAX_TOP, features.TOKEN_TOP), _hook(body))  # fmt: skip
+
+
+def _latent(body: Body) -> int:
+    return body.integer("latent", 0, 2**31 - 1)
+
+
+def feature(library: RunLibrary, body: Body) -> dict[str, Any]:
+    """POST /api/feature."""
+    return features.dashboard(_sae(library, body), _latent(body),
+                              body.integer("top", 1, features.MAX_TOP, features.DASHBOARD_TOP),
+                              body.integer("windows", 1, features.MAX_WINDOWS, features.DASHBOARD_WINDOWS),
+                              _hook(body))  # fmt: skip
+
+
+def feature_status(library: RunLibrary, body: Body) -> dict[str, Any]:
+    """POST /api/feature_status."""
+    return features.JOBS.get(body.text("job", limit=64)).snapshot()
+
+
+def feature_cancel(library: RunLibrary, body: Body) -> dict[str, Any]:
+    """POST /api/feature_cancel."""
+    return features.JOBS.cancel(body.text("job", limit=64)).snapshot()
+
+
+def steer(library: RunLibrary, body: Body) -> dict[str, Any]:
+    """POST /api/steer."""
+    return features.steer(_sae(library, body), _latent(body), body.number("alpha", -features.MAX_ALPHA,
+                          features.MAX_ALPHA), body.text("prompt", limit=4000),
+                          body.integer("max_new_tokens", 1, features.MAX_STEER_TOKENS, features.STEER_TOKENS),
+                          _hook(body))  # fmt: skip
+
+
 POSTS: dict[str, Callable[[RunLibrary, Body], dict[str, Any]]] = {
     "spreadsheet": spreadsheet, "trainable": trainable, "multihead": multihead, "positions": positions,
     "norms": norms, "model": model, "attention": attention, "next": next_token, "step": step,
     "lens": lens, "heads": heads, "patching": patching, "patching_status": patching_status,
-    "patching_cancel": patching_cancel,
+    "patching_cancel": patching_cancel, "sae": sae, "features": feature_tokens, "feature": feature,
+    "feature_status": feature_status, "feature_cancel": feature_cancel, "steer": steer,
 }  # fmt: skip
 
 
@@ -148,7 +204,9 @@ def warm_up(library: RunLibrary) -> None:
     table = panels.classic_table()
     panels.spreadsheet(table["words"], table["embeddings"], table["query"])
     if library.run_dir is not None and library.default is None:
-        raise QkvError(f"{library.run_dir} is not a run the page can open (a run of {', '.join(TASKS)}); "
-                       "the page offers the runs it finds instead")  # fmt: skip
+        raise QkvError(f"{library.run_dir} is not a run the page can open (a run of "
+                       f"{', '.join((*TASKS, SAE_TASK))}); the page offers the runs it finds instead")  # fmt: skip
     if library.default is not None:
-        library.load(library.default.name)
+        run = library.load(library.default.name)
+        if library.default.task == SAE_TASK:  # and the model it reads
+            features.view(run)

@@ -12,7 +12,7 @@ TopK or BatchTopK SAE's decoder rows unit vectors), so that the numbers shown ar
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +63,15 @@ def top_contexts(lm: nn.Module, sae: SparseAutoencoder, hook: str, windows: Iter
                  latent: int, top: int = 10, before: int = 12, after: int = 3) -> list[Context]:  # fmt: skip
     """The latent's `top` highest activations over the windows (B, T) (its dashboard), each with `before` tokens
     before it and `after` after it; a position counts once, its window's other positions may appear again."""
+    *_, found = [[], *searched_contexts(lm, sae, hook, windows, latent, top, before, after)]
+    return found
+
+
+def searched_contexts(lm: nn.Module, sae: SparseAutoencoder, hook: str, windows: Iterable[tuple[Tensor, Tensor]],
+                      latent: int, top: int = 10, before: int = 12,
+                      after: int = 3) -> Iterator[list[Context]]:  # fmt: skip
+    """top_contexts one batch of windows at a time: after each batch, the top contexts found so far (the explorer
+    shows a dashboard filling as the search goes)."""
     check_latent(sae, latent)
     found: list[tuple[float, Tensor, Tensor, int]] = []  # (value, window ids, window activations, position)
     for ids, _ in windows:
@@ -73,11 +82,13 @@ def top_contexts(lm: nn.Module, sae: SparseAutoencoder, hook: str, windows: Iter
                 row, pos = divmod(index, acts.shape[1])
                 found.append((value, ids[row].cpu(), acts[row], pos))
         found = sorted(found, key=lambda f: -f[0])[:top]
-    out = []
-    for value, ids, acts, pos in found:
-        lo, hi = max(0, pos - before), min(len(ids), pos + after + 1)
-        out.append(Context(ids[lo:hi].tolist(), acts[lo:hi].tolist(), pos - lo, value))
-    return out
+        yield [_context(value, ids, acts, pos, before, after) for value, ids, acts, pos in found]
+
+
+def _context(value: float, ids: Tensor, acts: Tensor, pos: int, before: int, after: int) -> Context:
+    """The activation at `pos` of one window (T,), with `before` tokens before it and `after` after."""
+    lo, hi = max(0, pos - before), min(len(ids), pos + after + 1)
+    return Context(ids[lo:hi].tolist(), acts[lo:hi].tolist(), pos - lo, value)
 
 
 def promoted_tokens(lm: nn.Module, sae: SparseAutoencoder, latent: int,

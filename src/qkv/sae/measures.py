@@ -3,6 +3,7 @@
     fvu             Σ‖x − x̂‖² / Σ‖x − x̄‖²: the fraction of the activations' variance the SAE does not explain
     l0              latents active per token, on average
     dead_share      the share of latents that did not fire in the last dead_window training tokens
+    unfired_share   the share of latents that fire on none of the held-out tokens (meaningful before dead_window)
     loss_clean      the model's next-token loss as it is
     loss_sae        … with the SAE's reconstruction in place of the activation
     loss_zero       … with zeros in place of it
@@ -73,6 +74,7 @@ class _Sums:
     active: float = 0.0  # Σ L0
     targets: int = 0
     losses: tuple[float, float, float] = (0.0, 0.0, 0.0)  # clean, with the SAE, zeroed
+    fired: Tensor | None = None  # (d_sae,) bool: latents that fired on some held-out row
 
     def add(self, x: Tensor, recon: Tensor, latents: Tensor) -> None:
         """One batch's rows (N, d), their reconstruction and latents."""
@@ -82,6 +84,8 @@ class _Sums:
         self.sum_sq += float(x.double().pow(2).sum())
         self.rows += len(x)
         self.active += float((latents > 0).sum())
+        fired = (latents > 0).any(0).cpu()
+        self.fired = fired if self.fired is None else self.fired | fired
 
     def fvu(self) -> float:
         """The fraction of variance unexplained."""
@@ -108,8 +112,9 @@ def sae_measures(model: nn.Module, sae: SparseAutoencoder, hook: str, batches: I
             sums.losses = tuple(a + b for a, b in zip(sums.losses, batch, strict=True))  # type: ignore[assignment]
     if sums.rows < 2:
         raise QkvError("fewer than 2 held-out activations were kept to measure the SAE on; give more validation text")
+    assert sums.fired is not None
     out = {"fvu": sums.fvu(), "l0": sums.active / sums.rows, "dead_share": float(sae.dead().float().mean()),
-           "tokens": float(sums.rows)}  # fmt: skip
+           "unfired_share": 1.0 - float(sums.fired.float().mean()), "tokens": float(sums.rows)}  # fmt: skip
     if losses:
         clean, with_sae, zero = (loss / sums.targets for loss in sums.losses)
         out |= {"loss_clean": clean, "loss_sae": with_sae, "loss_zero": zero,

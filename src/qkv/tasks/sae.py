@@ -134,15 +134,23 @@ def load_subject(cfg: SAETrainConfig, reference: dict[str, Any] | None,
     if cfg.lm is None or cfg.source is None:
         raise QkvError("an SAE reads a model's activations on prepared text: give the model and --data DIR")
     data = open_data(cfg.source)
-    base = load_base(cfg.lm, reference, role="MODEL")
-    base.model.eval().requires_grad_(False).to(device)
+    base, hook = load_hooked(cfg.lm, cfg.hook, reference, device)
     if data.fingerprint != base.tokenizer.fingerprint():
         raise QkvError(f"{cfg.source} was prepared with another tokenizer than {cfg.lm}'s; prepare it with "
                        f"`{program()} prepare INPUT --tokenizer {cfg.lm} --out DIR`")  # fmt: skip
-    hook = cfg.hook or middle_hook(base)
+    return base, hook, data
+
+
+def load_hooked(lm: str, hook: str | None, reference: dict[str, Any] | None = None,
+                device: str | torch.device = "cpu") -> tuple[Base, str]:  # fmt: skip
+    """The frozen language model on `device` and the hook it is read at (default: the middle layer's stream),
+    checked to be one of its activations of width d_model."""
+    base = load_base(lm, reference, role="MODEL")
+    base.model.eval().requires_grad_(False).to(device)
+    hook = hook or middle_hook(base)
     check_name(hook_sites(base.model), hook)
     width_of(base, hook)
-    return base, hook, data
+    return base, hook
 
 
 def filters_of(cfg: SAETrainConfig, base: Base) -> Filters:
@@ -313,7 +321,8 @@ class SAETask(Task):
         q = program()
         return "\n".join([
             f"\nheld-out FVU {f['val_fvu']:.4f}, L0 {f['val_l0']:.1f}, {recovered}dead {f['val_dead_share']:.1%} "
-            f"after {result.step} steps, {result.took()} — run saved in {result.run_dir}",
+            f"({f['val_unfired_share']:.1%} never fired on held-out text) after {result.step} steps, "
+            f"{result.took()} — run saved in {result.run_dir}",
             f"more: {q} eval {result.run_dir}  |  {q} interpret features {result.run_dir}"])
 
     def data_summary(self) -> dict[str, Any] | None:
@@ -348,6 +357,7 @@ class SAERun(LoadedRun):
         m = sae_measures(base.model, self.model, hook, windows, filters_of(self.config, base))
         return [f"{hook} of {Path(base.reference['path']).name}, {int(m['tokens']):,} held-out activations "
                 f"({self.checkpoint} weights):",
-                f"  FVU {m['fvu']:.4f}   L0 {m['l0']:.1f}   dead {m['dead_share']:.1%}",
+                f"  FVU {m['fvu']:.4f}   L0 {m['l0']:.1f}   dead {m['dead_share']:.1%} (not fired in the last "
+                f"{self.model.cfg.dead_window:,} training tokens), {m['unfired_share']:.1%} never fired here",
                 f"  next-token loss {m['loss_clean']:.4f} clean, {m['loss_sae']:.4f} with the SAE, "
                 f"{m['loss_zero']:.4f} zero-ablated: loss recovered {m['loss_recovered']:.1%}"]  # fmt: skip

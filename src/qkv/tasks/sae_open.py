@@ -11,13 +11,12 @@ import torch
 
 from qkv.data.tokens import TokenData
 from qkv.errors import QkvError
-from qkv.finetune.base import Base, load_base
-from qkv.interpret.hooks import check_name, hook_sites
+from qkv.finetune.base import Base
 from qkv.io.devices import matmul_precision, resolve_device, resolve_dtype
 from qkv.sae import SparseAutoencoder
 from qkv.sae.activations import ActivationStream
 from qkv.sae.cache import write_cache
-from qkv.tasks.sae import SAETrainConfig, cache_about, filters_of, load_subject, recipe, width_of
+from qkv.tasks.sae import SAERun, SAETrainConfig, cache_about, filters_of, load_hooked, load_subject, recipe, width_of
 
 
 def cache_activations(cfg: SAETrainConfig, tokens: int, out: str | Path) -> Path:
@@ -69,9 +68,7 @@ def open_sae(path: str | Path, lm: str | None = None, data: str | None = None, c
         if data is not None:
             base, hook, opened = load_subject(cfg, None)
         else:
-            base, hook, opened = load_base(lm, role="--lm"), cfg.hook, None
-            base.model.eval().requires_grad_(False)
-            check_name(hook_sites(base.model), hook)
+            (base, hook), opened = load_hooked(lm, cfg.hook), None
         if sae.cfg.d_model != width_of(base, hook):
             raise QkvError(f"{where} reads activations of width {sae.cfg.d_model}, and {hook} of {lm} has width "
                            f"{width_of(base, hook)}: the SAE belongs to another model")  # fmt: skip
@@ -79,7 +76,11 @@ def open_sae(path: str | Path, lm: str | None = None, data: str | None = None, c
         return SAEView(sae.to(device), base, hook, opened, min(128, base.model.cfg.context_length))
     if lm is not None or data is not None:
         raise QkvError(f"{where} is an SAE run, which records its model and data: drop --lm and --data")
-    run = load(where, checkpoint, "cpu", expect="sae")
+    return view_of(load(where, checkpoint, "cpu", expect="sae"), device)
+
+
+def view_of(run: SAERun, device: str | torch.device = "cpu") -> SAEView:
+    """A loaded SAE run read for its features: its folded SAE, and its model (hash-checked), hook and data."""
     base, hook, opened = run.subject()
     base.model.to(device)
     return SAEView(run.model.folded().to(device), base, hook, opened, run.config.block_size)

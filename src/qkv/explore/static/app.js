@@ -1,5 +1,6 @@
-// The page: five panels behind tabs, each set up by its own module.
+// The page: six panels behind tabs, each set up by its own module.
 import { getJSON, say } from "./common.js";
+import { initFeatures } from "./features.js";
 import { initInside } from "./inside.js";
 import { initModel } from "./model.js";
 import { initPositions } from "./positions.js";
@@ -22,6 +23,7 @@ showHashTab();
 
 window.qkvExplore = { ready: false };
 getJSON("/api/runs") // the runs the page may open, and the spreadsheet's classic table
-  .then((runs) => Promise.all([initSheet(runs.classic), initWeights(), initModel(runs), initPositions(), initInside(runs)]))
+  .then((runs) => Promise.all([initSheet(runs.classic), initWeights(), initModel(runs), initPositions(), initInside(runs),
+    initFeatures(runs)]))
   .then(() => { window.qkvExplore.ready = true; })
   .catch((err) => say(err.message, true));

@@ -192,8 +192,9 @@ async function openRun(name) {
   await Promise.all([refreshAttention(), info.causal ? refreshNext() : null]);
 }
 
-// Set up the panel on the runs the server offers ({runs, default}).
-export async function initModel({ runs, default: preferred }) {
+// Set up the panel on the runs the server offers ({runs, default}) whose models read text (not SAEs).
+export async function initModel({ runs: offered, default: preferred }) {
+  const runs = offered.filter((r) => r.task !== "sae");
   $("model-empty").hidden = runs.length > 0;
   $("model-body").hidden = runs.length === 0;
   if (runs.length === 0) return;
@@ -222,5 +223,5 @@ export async function initModel({ runs, default: preferred }) {
       step();
     }
   });
-  await openRun(preferred || runs[0].name);
+  await openRun(runs.find((r) => r.name === preferred) ? preferred : runs[0].name);
 }

@@ -1,0 +1,145 @@
+"""The explorer's Features tab: an SAE run's latents (qkv.sae.features), read on the model and data it records.
+
+    describe(run)                                   what the SAE reads: its model, hook, width and sparsity
+    token_view(run, text, top, hook)                each token's most active latents
+    dashboard(run, latent, top, windows, hook)      the tokens a latent promotes, and a job that searches the
+                                                    validation split for its top contexts, batch by batch
+    steer(run, latent, alpha, prompt, n, hook)      greedy text with and without α × its decoder row at the hook
+
+Every number is qkv.sae.features' own, on the SAE as SAELens saves it (folded), so the page, `qkv interpret
+features` and the Python API show the same values. A request may name the hook it expects (`hook`): the page
+sends the one the SAE it opened reads, so an answer can never come from another place in the model.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from qkv.errors import QkvError
+from qkv.explore.inside import heavy_slot, pieces
+from qkv.explore.jobs import Jobs, Steps
+from qkv.sae.features import Context, check_latent, promoted_tokens, searched_contexts, steered, token_latents
+from qkv.sae.measures import eval_windows
+from qkv.tasks.sae_open import SAEView, view_of
+
+TOKEN_TOP = 5  # latents shown per token
+MAX_TOP = 32
+DASHBOARD_TOP = 8  # contexts and promoted tokens, as `qkv interpret features`
+DASHBOARD_WINDOWS = 256  # held-out windows searched, as `qkv interpret features --windows`
+MAX_WINDOWS = 4096
+WINDOW_BATCH = 16  # windows per forward pass: one step of the dashboard's job
+STEER_TOKENS = 30
+MAX_STEER_TOKENS = 128
+MAX_ALPHA = 1e4
+JOBS = Jobs("feature dashboard")
+_views: dict[int, SAEView] = {}  # by id(run): the library keeps each run loaded once, and so its view
+_views_lock = threading.Lock()
+
+
+def view(run: Any) -> SAEView:
+    """The SAE run's view (its model and data read once), or a one-line 400 for a run of another task."""
+    if run.task != "sae":
+        raise QkvError(f"{run.directory.name} is a {run.task} run; the Features tab opens SAE runs "
+                       "(`qkv interpret sae train`)")  # fmt: skip
+    with _views_lock:
+        if id(run) not in _views:
+            _views[id(run)] = view_of(run)
+        return _views[id(run)]
+
+
+def checked(run: Any, hook: str | None) -> SAEView:
+    """The view, refused when the request expects the SAE at another hook than the one it reads."""
+    opened = view(run)
+    if hook is not None and hook != opened.hook:
+        raise QkvError(f"this SAE reads {opened.hook}, not {hook!r}: its latents mean nothing elsewhere; open an SAE "
+                       f"trained at {hook}")  # fmt: skip
+    return opened
+
+
+def _device(opened: SAEView) -> torch.device:
+    return next(opened.base.model.parameters()).device
+
+
+def describe(run: Any) -> dict[str, Any]:
+    """What the page shows above the views: the model and hook the SAE reads, its size, and its data."""
+    opened, cfg = view(run), run.model.cfg
+    val = opened.data.split("val") if opened.data is not None else None
+    return {"hook": opened.hook, "model": str(opened.base.reference.get("path", "")), "d_model": cfg.d_model,
+            "latents": cfg.latents, "architecture": cfg.architecture, "k": cfg.k, "block_size": opened.block_size,
+            "val_windows": val.window_count(opened.block_size) if val is not None else 0,
+            "windows": DASHBOARD_WINDOWS, "top": DASHBOARD_TOP}  # fmt: skip
+
+
+def _ids(opened: SAEView, text: str, what: str) -> list[int]:
+    """A typed text's ids, refused when empty or longer than the SAE's windows."""
+    if not text:
+        raise QkvError(f"the {what} is empty; type some text")
+    ids = list(opened.base.tokenizer.encode(text))
+    if not ids:
+        raise QkvError(f"the {what} encodes to no tokens")
+    if len(ids) > opened.block_size:
+        raise QkvError(f"the {what} is {len(ids)} tokens long; this SAE was trained on windows of "
+                       f"{opened.block_size}: shorten it")  # fmt: skip
+    return ids
+
+
+def token_view(run: Any, text: str, top: int = TOKEN_TOP, hook: str | None = None) -> dict[str, Any]:
+    """Each token of `text` and its `top` most active latents, as [latent, activation] pairs, active ones only."""
+    opened = checked(run, hook)
+    ids = _ids(opened, text, "text")
+    with heavy_slot():
+        rows = token_latents(opened.base.model, opened.sae, opened.hook, torch.tensor([ids], device=_device(opened)),
+                             top)  # fmt: skip
+    tokenizer = opened.base.tokenizer
+    return {"hook": opened.hook, "ids": ids, "tokens": [tokenizer.decode([i]) for i in ids],
+            "latents": [[[latent, value] for latent, value in row] for row in rows]}  # fmt: skip
+
+
+def _context(context: Context) -> dict[str, Any]:
+    """One top context as the page draws it."""
+    return {"ids": context.tokens, "values": context.values, "at": context.at, "value": context.value}
+
+
+def dashboard(run: Any, latent: int, top: int = DASHBOARD_TOP, windows: int = DASHBOARD_WINDOWS,
+              hook: str | None = None, jobs: Jobs = JOBS) -> dict[str, Any]:  # fmt: skip
+    """Start a latent's dashboard: the tokens it promotes and demotes now, its top contexts in the job's steps."""
+    opened = checked(run, hook)
+    check_latent(opened.sae, latent)
+    if opened.data is None:
+        raise QkvError("this SAE has no data to search for contexts")
+    split = opened.data.split("val")
+    searched = min(windows, split.window_count(opened.block_size))
+    batches = -(-searched // WINDOW_BATCH)
+    tokenizer = opened.base.tokenizer
+
+    def steps() -> Steps:
+        windows = eval_windows(split, opened.block_size, searched, WINDOW_BATCH)
+        for contexts in searched_contexts(opened.base.model, opened.sae, opened.hook, windows, latent, top):
+            ids = [i for c in contexts for i in c.tokens]
+            yield {"contexts": [_context(c) for c in contexts], "pieces": pieces(tokenizer, ids)}
+
+    up, down = promoted_tokens(opened.base.model, opened.sae, latent, top)
+    job = jobs.start(lambda: (batches, steps()), {"contexts": [], "pieces": {}})
+    return {"job": job.id, "total": batches, "latent": latent, "windows": searched, "hook": opened.hook,
+            "promoted": [[i, v, tokenizer.decode([i])] for i, v in up],
+            "demoted": [[i, v, tokenizer.decode([i])] for i, v in down]}  # fmt: skip
+
+
+def steer(run: Any, latent: int, alpha: float, prompt: str, max_new_tokens: int = STEER_TOKENS,
+          hook: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """The prompt's greedy continuation as the model is and with α × the latent's decoder row added at the hook."""
+    opened = checked(run, hook)
+    check_latent(opened.sae, latent)
+    ids = torch.tensor([_ids(opened, prompt, "prompt")], device=_device(opened))
+    tokenizer = opened.base.tokenizer
+    if ids.shape[1] + max_new_tokens > opened.base.model.cfg.context_length:
+        raise QkvError(f"the prompt and {max_new_tokens} new tokens exceed the model's context of "
+                       f"{opened.base.model.cfg.context_length}; shorten the prompt")  # fmt: skip
+    with heavy_slot():
+        texts = [tokenizer.decode(steered(opened.base.model, opened.sae, opened.hook, ids, latent, a, max_new_tokens,
+                                          tokenizer.eos_id)) for a in (0.0, alpha)]  # fmt: skip
+    return {"hook": opened.hook, "latent": latent, "alpha": alpha, "prompt": prompt, "plain": texts[0],
+            "steered": texts[1]}  # fmt: skip

@@ -1,0 +1,184 @@
+// Panel 6: an SAE's features (qkv.sae.features). A text's latents token by token; a latent's dashboard, whose
+// top contexts the server searches for in the validation split one batch of windows at a time while the page
+// polls /api/feature_status, drawing what is found so far; and steering with the latent's decoder direction.
+// Every request names the hook the opened SAE reads: the server refuses an answer from anywhere else.
+import { $, debounce, el, fmt, live, post, say, showToken } from "./common.js";
+
+const POLL_MS = 150;
+const state = { run: null, info: null, job: null, stale: true };
+
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+function visible() {
+  return $("features").classList.contains("active");
+}
+
+// Orange, as strong as the activation is against the largest one shown.
+function shade(value, top) {
+  return value > 0 ? `rgba(253, 141, 60, ${Math.min(1, value / top).toFixed(3)})` : "";
+}
+
+// A typed number as a number; anything else as typed, so that the server's one-line refusal says what is wrong.
+function numberOr(text) {
+  return text.trim() !== "" && Number.isFinite(Number(text)) ? Number(text) : text;
+}
+
+function drawTokens(a) {
+  if (a.run !== state.run) return;
+  const top = Math.max(1e-9, ...a.latents.flat().map(([, v]) => v));
+  const chip = ([latent, value]) => {
+    const button = el("button", { class: "latent", "data-latent": latent, "data-value": String(value),
+      title: `latent ${latent}: activation ${fmt(value, 4)}; click for its dashboard`, text: `${latent} ${fmt(value, 2)}`,
+      onclick: () => { $("feat-latent").value = String(latent); openLatent(); } });
+    button.style.background = shade(value, top);
+    return button;
+  };
+  const rows = a.tokens.map((token, i) => el("tr", { "data-pos": i }, el("th", { text: showToken(token) }),
+    el("td", {}, ...(a.latents[i].length ? a.latents[i].map(chip) : [el("span", { class: "note", text: "none active" })]))));
+  $("feat-tokens").replaceChildren(el("tr", {}, el("th", { text: "token" }),
+    el("th", { text: "most active latents: latent activation" })), ...rows);
+  $("feat-tokens").dataset.text = a.text;
+}
+
+const refreshTokens = live(async () => {
+  const run = state.run, text = $("feat-text").value;
+  return { ...(await post("features", { run, hook: state.info.hook, text })), run, text };
+}, drawTokens);
+
+function drawPromoted(meta) {
+  const row = ([id, value, text]) => el("tr", { "data-id": id, "data-value": String(value) },
+    el("td", { text: `“${showToken(text)}”` }), el("td", { class: "shape", text: `${value >= 0 ? "+" : ""}${fmt(value, 3)}` }));
+  $("feat-promoted").replaceChildren(el("tr", {}, el("th", { text: "promotes" }), el("th", { text: "logit" })),
+    ...meta.promoted.map(row), el("tr", {}, el("th", { text: "demotes" }), el("th", { text: "logit" })),
+    ...meta.demoted.map(row));
+}
+
+function drawContexts(meta, snap) {
+  const top = Math.max(1e-9, ...snap.contexts.map((c) => c.value));
+  $("feat-contexts").replaceChildren(...snap.contexts.map((c) => el("li", {
+    "data-value": String(c.value), "data-at": c.at, "data-ids": c.ids.join(","), "data-values": c.values.join(","),
+  }, el("span", { class: "act", text: fmt(c.value, 3) }), ...c.ids.map((id, i) => {
+    const span = el("span", { class: i === c.at ? "tok at" : "tok", text: showToken(snap.pieces[String(id)]),
+      title: `activation ${fmt(c.values[i], 4)}` });
+    span.style.background = shade(c.values[i], top);
+    return span;
+  }))));
+  if (!snap.contexts.length && snap.state !== "running") {
+    $("feat-contexts").replaceChildren(el("li", { class: "note", text: `it never fired in ${meta.windows} windows` }));
+  }
+  const progress = $("feat-progress");
+  progress.max = snap.total;
+  progress.value = snap.done;
+  progress.qkvHistory.push([snap.done, snap.total, snap.contexts.length]); // for the tests
+  const end = { done: "done", cancelled: "stopped", failed: "failed", running: "searching" }[snap.state];
+  $("feat-progress-info").textContent = `latent ${meta.latent}: ${snap.done} of ${snap.total} batches of held-out ` +
+    `windows (${meta.windows} in all) · ${end}`;
+  $("feat-progress-info").dataset.latent = meta.latent;
+  $("feat-progress-info").dataset.state = snap.state;
+}
+
+async function poll(meta) {
+  while (state.job === meta.job) {
+    const snap = await post("feature_status", { job: meta.job });
+    if (state.job !== meta.job) return null; // replaced or stopped meanwhile
+    drawContexts(meta, snap);
+    if (snap.state !== "running") return snap;
+    await sleep(POLL_MS);
+  }
+  return null;
+}
+
+async function stopDashboard() {
+  const job = state.job;
+  state.job = null;
+  $("feat-cancel").disabled = true;
+  if (job) await post("feature_cancel", { job }).catch(() => null); // it may have finished meanwhile
+}
+
+async function openLatent() {
+  await stopDashboard();
+  const body = { run: state.run, hook: state.info.hook, latent: numberOr($("feat-latent").value) };
+  $("feat-open").disabled = true;
+  try {
+    const meta = await post("feature", body);
+    state.job = meta.job;
+    $("feat-cancel").disabled = false;
+    $("feat-progress").qkvHistory = [];
+    drawPromoted(meta);
+    drawContexts(meta, { state: "running", done: 0, total: meta.total, contexts: [], pieces: {} });
+    const end = await poll(meta);
+    if (end && end.error) say(end.error, true);
+    else say("");
+  } catch (err) {
+    say(err.message, true);
+  } finally {
+    $("feat-open").disabled = false;
+    $("feat-cancel").disabled = true;
+  }
+}
+
+async function steer() {
+  const body = { run: state.run, hook: state.info.hook, latent: numberOr($("feat-latent").value),
+    alpha: numberOr($("steer-alpha").value), prompt: $("steer-prompt").value,
+    max_new_tokens: numberOr($("steer-tokens").value) };
+  $("steer-run").disabled = true;
+  try {
+    const a = await post("steer", body);
+    $("steer-plain").textContent = a.prompt + a.plain;
+    $("steer-steered").textContent = a.prompt + a.steered;
+    $("steer-label").textContent = `steered: latent ${a.latent}, α = ${a.alpha}`;
+    Object.assign($("steer-steered").dataset, { latent: a.latent, alpha: a.alpha, text: a.steered });
+    $("steer-plain").dataset.text = a.plain;
+    say("");
+  } catch (err) {
+    say(err.message, true);
+  } finally {
+    $("steer-run").disabled = false;
+  }
+}
+
+function refresh() {
+  if (!state.info) return;
+  if (!visible()) { state.stale = true; return; }
+  state.stale = false;
+  refreshTokens();
+}
+
+async function openRun(name) {
+  await stopDashboard();
+  state.run = name;
+  state.info = null;
+  delete $("feat-info").dataset.run;
+  for (const id of ["feat-tokens", "feat-contexts", "feat-promoted"]) $(id).replaceChildren();
+  for (const id of ["steer-plain", "steer-steered", "feat-progress-info"]) $(id).textContent = "";
+  const info = await post("sae", { run: name });
+  if (state.run !== name) return;
+  state.info = info;
+  $("feat-info").textContent = `${info.architecture} SAE · ${info.latents.toLocaleString()} latents` +
+    `${info.architecture === "relu" ? "" : ` · k ${info.k}`} · reads ${info.hook} (width ${info.d_model}) of ${info.model}`;
+  $("feat-info").dataset.run = name;
+  $("feat-info").dataset.hook = info.hook;
+  $("feat-latent").max = String(info.latents - 1);
+  refresh();
+}
+
+// Set up the panel on the SAE runs the server offers ({runs, default}).
+export async function initFeatures({ runs, default: preferred }) {
+  const saes = runs.filter((r) => r.task === "sae");
+  $("feat-empty").hidden = saes.length > 0;
+  $("feat-body").hidden = saes.length === 0;
+  $("feat-progress").qkvHistory = [];
+  if (saes.length === 0) return;
+  $("feat-run").replaceChildren(...saes.map((r) => el("option", { value: r.name, text: r.name })));
+  $("feat-run").addEventListener("change", (e) => openRun(e.target.value).catch((err) => say(err.message, true)));
+  $("feat-text").addEventListener("input", debounce(() => { if (state.info && visible()) refreshTokens(); }, 200));
+  $("feat-open").addEventListener("click", openLatent);
+  $("feat-latent").addEventListener("keydown", (e) => { if (e.key === "Enter") openLatent(); });
+  $("feat-cancel").addEventListener("click", stopDashboard);
+  $("steer-run").addEventListener("click", steer);
+  new MutationObserver(() => { if (visible() && state.stale) refresh(); })
+    .observe($("features"), { attributes: true, attributeFilter: ["class"] });
+  const first = saes.find((r) => r.name === preferred) || saes[0];
+  $("feat-run").value = first.name;
+  await openRun(first.name);
+}
