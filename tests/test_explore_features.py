@@ -8,7 +8,9 @@ asks nothing of any other host. Set QKV_EXPLORE_SHOTS to a directory to keep a s
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,8 +26,13 @@ from test_sae_task import HOOK, SAE, TINY
 
 from qkv.cli import main
 from qkv.data import load_shakespeare
+from qkv.errors import QkvError
+from qkv.explore import features
+from qkv.explore.jobs import Jobs
+from qkv.explore.library import RequestError
 from qkv.sae.features import latents_of, promoted_tokens, steered, token_latents, top_contexts
 from qkv.sae.measures import eval_windows
+from qkv.tasks import load
 from qkv.tasks.sae_open import SAEView, open_sae
 
 TEXT = "To be, or not to be: that is the question"
@@ -164,7 +171,9 @@ BAD = [
     ("a prompt and tokens past the context", "steer", {"latent": 0, "alpha": 1, "prompt": "To be or",
                                                        "max_new_tokens": 128}, 400, "exceed the model's context"),
     ("an empty text", "features", {"text": ""}, 400, "the text is empty"),
-    ("a text longer than the SAE's windows", "features", {"text": "x y " * 40}, 400, "trained on windows of 32"),
+    ("a text longer than the context", "features", {"text": "x y " * 40}, 400,
+     "tokens long but the model reads at most 32; shorten it"),
+    ("a lone surrogate", "features", {"text": "To \ud800"}, 400, "'text' holds a lone UTF-16 surrogate"),
     ("zero windows", "feature", {"latent": 0, "windows": 0}, 400, "'windows' must be a whole number"),
     ("an unknown dashboard", "feature_status", {"job": "0123abcd"}, 404, "no feature dashboard '0123abcd'"),
     ("a language model in the Features tab", "sae", {"run": "runs/lm"}, 400, "this view opens an SAE run"),
@@ -180,6 +189,42 @@ def test_bad_requests_get_a_one_line_4xx(server: Any, what: str, route: str, bod
     got, answer = _request(server.url + "api/" + route, {**run, **body})
     assert (got, type(answer)) == (status, dict), answer
     assert message in answer["error"] and "\n" not in answer["error"] and "Traceback" not in answer["error"]
+
+
+def test_a_text_longer_than_the_saes_windows_is_refused(view: SAEView) -> None:
+    """The SAE read windows of block_size tokens: a longer text would show latents of positions it never saw."""
+    with pytest.raises(QkvError, match=r"^the text is 10 tokens long; this SAE \(trained on windows of 8 tokens\) "
+                                       r"reads at most 8: shorten it$"):  # fmt: skip
+        features._ids(dataclasses.replace(view, block_size=8), "To be, or not", "text")
+
+
+def test_a_dashboard_stops_when_asked_and_frees_its_slot(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cancelled between two batches, a dashboard ends "cancelled" with the contexts found so far, and the next
+    one starts at once; a second one while the first runs waits, then gets a 429."""
+    gate = threading.Semaphore(0)  # one permit a batch
+    searched = features.searched_contexts
+
+    def slow(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        for found in searched(*args, **kwargs):
+            assert gate.acquire(timeout=10)
+            yield found
+
+    monkeypatch.setattr(features, "searched_contexts", slow)
+    run, jobs = load(root / "runs" / "sae"), Jobs("feature dashboard", wait_s=0.2)
+    first = jobs.get(features.dashboard(run, 3, windows=64, jobs=jobs)["job"])
+    with pytest.raises(RequestError) as busy:
+        features.dashboard(run, 4, windows=64, jobs=jobs)
+    assert busy.value.status == 429 and "another feature dashboard is being computed" in str(busy.value)
+    gate.release()
+    wait_for(lambda: first.done == 1, "the first batch")
+    jobs.cancel(first.id)
+    for _ in range(8):
+        gate.release()
+    wait_for(lambda: first.state != "running", "the dashboard to stop")
+    assert first.state == "cancelled" and 1 <= first.done < 4 and "contexts" in first.snapshot()
+    second = jobs.get(features.dashboard(run, 4, windows=64, jobs=jobs)["job"])
+    wait_for(lambda: second.state == "done", "the next dashboard")
+    assert second.done == 4
 
 
 # -------------------------------------------------------------------------------------------- the page

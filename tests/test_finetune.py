@@ -167,7 +167,7 @@ def test_a_lora_run_whose_base_changed_is_refused(
     assert re.fullmatch(
         rf"qkv eval: error: {re.escape(str(tmp_path / 'lora'))} is a LoRA run of {re.escape(str(moved))}, whose "
         r"weights have changed since \(sha256 [0-9a-f]{12}…, the run was trained on [0-9a-f]{12}…\); restore that "
-        r"base, or train the adapters again on this one\n", err), err  # fmt: skip
+        r"model, or train the adapters again on this one\n", err), err  # fmt: skip
     for command in (["generate", str(tmp_path / "lora"), "--max-new-tokens", "2"], ["train", "--resume", "--out-dir",
                     str(tmp_path / "lora"), "--max-steps", "3"]):  # fmt: skip
         code, _, err = run_main(capsys, *command)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -297,6 +298,24 @@ def test_open_sae_refuses_what_does_not_fit(sae_run: Path, tmp_path: Path, world
     save_saelens(narrow, tmp_path / "narrow", {"hook_name": HOOK})
     with pytest.raises(QkvError, match="belongs to another model"):
         open_sae(tmp_path / "narrow", lm=str(world["base"]))
+
+
+def test_an_sae_reads_only_the_weights_it_was_trained_on(capsys: pytest.CaptureFixture[str], sae_run: Path,
+                                                         tmp_path: Path) -> None:  # fmt: skip
+    """A run whose model has changed since (its recorded sha256 differs) or is gone is refused in one line."""
+    moved = tmp_path / "sae"
+    shutil.copytree(sae_run, moved)
+    config = json.loads((moved / "config.json").read_text())
+    config["base"]["sha256"] = "0" * 64
+    (moved / "config.json").write_text(json.dumps(config))
+    code, _, err = run_main(capsys, "eval", str(moved))
+    assert code == 2 and err.count("\n") == 1
+    assert f"is an SAE of {config['base']['path']}, whose weights have changed since" in err
+    assert "the run was trained on 000000000000…); restore that model, or train the SAE again on this one" in err
+    config["base"]["path"] = str(tmp_path / "gone.gguf")
+    (moved / "config.json").write_text(json.dumps(config))
+    with pytest.raises(QkvError, match=r"is an SAE of .*gone.gguf, which is gone; put the model back there"):
+        open_sae(moved)
 
 
 def test_a_cache_is_never_mixed_or_read_unfinished(world: dict[str, Path], tmp_path: Path) -> None:

@@ -70,6 +70,10 @@ class Body:
             raise QkvError(f"{name!r} must be a string, got {type(value).__name__}")
         if len(value) > limit:
             raise QkvError(f"{name!r} is {len(value):,} characters long; the limit is {limit:,}")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (JSON's "\ud800"): no tokenizer reads it
+            raise QkvError(f"{name!r} holds a lone UTF-16 surrogate, which is not text; send valid Unicode") from None
         return value
 
     def optional_text(self, name: str, limit: int = MAX_TEXT) -> str | None:

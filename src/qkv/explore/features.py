@@ -14,13 +14,15 @@ sends the one the SAE it opened reads, so an answer can never come from another 
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from qkv.errors import QkvError
-from qkv.explore.inside import heavy_slot, pieces
+from qkv.explore.inside import checked_ids, device_of, heavy_slot, pieces
 from qkv.explore.jobs import Jobs, Steps
+from qkv.explore.library import RequestError
 from qkv.sae.features import Context, check_latent, promoted_tokens, searched_contexts, steered, token_latents
 from qkv.sae.measures import eval_windows
 from qkv.tasks.sae_open import SAEView, view_of
@@ -35,19 +37,29 @@ STEER_TOKENS = 30
 MAX_STEER_TOKENS = 128
 MAX_ALPHA = 1e4
 JOBS = Jobs("feature dashboard")
-_views: dict[int, SAEView] = {}  # by id(run): the library keeps each run loaded once, and so its view
+_views: dict[tuple[Path, str], SAEView] = {}  # by run directory and checkpoint: each run's model is read once
+_opening: dict[tuple[Path, str], threading.Lock] = {}  # one lock a run: opening one never waits for another
 _views_lock = threading.Lock()
 
 
 def view(run: Any) -> SAEView:
-    """The SAE run's view (its model and data read once), or a one-line 400 for a run of another task."""
+    """The SAE run's view (its model and data read once), or a one-line 4xx."""
     if run.task != "sae":
         raise QkvError(f"{run.directory.name} is a {run.task} run; the Features tab opens SAE runs "
                        "(`qkv interpret sae train`)")  # fmt: skip
+    key = (Path(run.directory).resolve(), run.checkpoint)
     with _views_lock:
-        if id(run) not in _views:
-            _views[id(run)] = view_of(run)
-        return _views[id(run)]
+        lock = _opening.setdefault(key, threading.Lock())
+    with lock:
+        if key not in _views:
+            try:
+                _views[key] = view_of(run)
+            except QkvError:
+                raise
+            except Exception as err:  # damaged model or data files: not the request's fault
+                raise RequestError(422, f"cannot read the model or data of the SAE run {run.directory.name}: "
+                                        f"{' '.join(str(err).split())[:200]}") from err  # fmt: skip
+        return _views[key]
 
 
 def checked(run: Any, hook: str | None) -> SAEView:
@@ -57,10 +69,6 @@ def checked(run: Any, hook: str | None) -> SAEView:
         raise QkvError(f"this SAE reads {opened.hook}, not {hook!r}: its latents mean nothing elsewhere; open an SAE "
                        f"trained at {hook}")  # fmt: skip
     return opened
-
-
-def _device(opened: SAEView) -> torch.device:
-    return next(opened.base.model.parameters()).device
 
 
 def describe(run: Any) -> dict[str, Any]:
@@ -75,24 +83,17 @@ def describe(run: Any) -> dict[str, Any]:
 
 def _ids(opened: SAEView, text: str, what: str) -> list[int]:
     """A typed text's ids, refused when empty or longer than the SAE's windows."""
-    if not text:
-        raise QkvError(f"the {what} is empty; type some text")
-    ids = list(opened.base.tokenizer.encode(text))
-    if not ids:
-        raise QkvError(f"the {what} encodes to no tokens")
-    if len(ids) > opened.block_size:
-        raise QkvError(f"the {what} is {len(ids)} tokens long; this SAE was trained on windows of "
-                       f"{opened.block_size}: shorten it")  # fmt: skip
-    return ids
+    return checked_ids(opened.base.tokenizer, opened.base.model.cfg.context_length, text, what, opened.block_size,
+                       f"this SAE (trained on windows of {opened.block_size} tokens)")  # fmt: skip
 
 
 def token_view(run: Any, text: str, top: int = TOKEN_TOP, hook: str | None = None) -> dict[str, Any]:
     """Each token of `text` and its `top` most active latents, as [latent, activation] pairs, active ones only."""
     opened = checked(run, hook)
     ids = _ids(opened, text, "text")
+    model = opened.base.model
     with heavy_slot():
-        rows = token_latents(opened.base.model, opened.sae, opened.hook, torch.tensor([ids], device=_device(opened)),
-                             top)  # fmt: skip
+        rows = token_latents(model, opened.sae, opened.hook, torch.tensor([ids], device=device_of(model)), top)
     tokenizer = opened.base.tokenizer
     return {"hook": opened.hook, "ids": ids, "tokens": [tokenizer.decode([i]) for i in ids],
             "latents": [[[latent, value] for latent, value in row] for row in rows]}  # fmt: skip
@@ -133,7 +134,7 @@ def steer(run: Any, latent: int, alpha: float, prompt: str, max_new_tokens: int 
     """The prompt's greedy continuation as the model is and with α × the latent's decoder row added at the hook."""
     opened = checked(run, hook)
     check_latent(opened.sae, latent)
-    ids = torch.tensor([_ids(opened, prompt, "prompt")], device=_device(opened))
+    ids = torch.tensor([_ids(opened, prompt, "prompt")], device=device_of(opened.base.model))
     tokenizer = opened.base.tokenizer
     if ids.shape[1] + max_new_tokens > opened.base.model.cfg.context_length:
         raise QkvError(f"the prompt and {max_new_tokens} new tokens exceed the model's context of "

@@ -65,17 +65,21 @@ def device_of(model: nn.Module) -> torch.device:
 
 def prompt_ids(run: Any, text: str, what: str, limit: int, view: str) -> list[int]:
     """The token ids of a typed prompt, refused (one line) when empty or longer than the view or the model reads."""
+    return checked_ids(run.require_tokenizer(), run.model.cfg.context_length, text, what, limit,
+                       f"{view} of this model")  # fmt: skip
+
+
+def checked_ids(tokenizer: Any, context: int, text: str, what: str, limit: int, reader: str) -> list[int]:
+    """The ids of a typed text, refused (one line) when empty or longer than the context or than `reader` reads."""
     if not text:
         raise QkvError(f"the {what} is empty; type some text")
-    ids = list(run.require_tokenizer().encode(text))
+    ids = list(tokenizer.encode(text))
     if not ids:
         raise QkvError(f"the {what} encodes to no tokens")
-    context = run.model.cfg.context_length
     if len(ids) > context:
         raise QkvError(f"the {what} is {len(ids)} tokens long but the model reads at most {context}; shorten it")
     if len(ids) > limit:
-        raise QkvError(f"the {what} is {len(ids)} tokens long; {view} of this model reads at most {limit}: "
-                       "shorten it")  # fmt: skip
+        raise QkvError(f"the {what} is {len(ids)} tokens long; {reader} reads at most {limit}: shorten it")
     return ids
 
 

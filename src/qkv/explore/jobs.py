@@ -31,16 +31,27 @@ class Job:
 
     id: str
     total: int  # steps in all
-    view: dict[str, Any] = field(default_factory=dict)
-    done: int = 0
+    # (steps done, the view after them), replaced as one, so that a poll never sees a count and a view that differ
+    progress: tuple[int, dict[str, Any]] = field(default_factory=lambda: (0, {}))
     state: str = "running"  # then "done", "cancelled" or "failed"
     error: str | None = None
     polled: float = field(default_factory=time.monotonic)
     stop: threading.Event = field(default_factory=threading.Event)
 
+    @property
+    def done(self) -> int:
+        """Steps done so far."""
+        return self.progress[0]
+
+    @property
+    def view(self) -> dict[str, Any]:
+        """What the steps done so far show."""
+        return self.progress[1]
+
     def snapshot(self) -> dict[str, Any]:
         """The job as the page reads it: counts, its view so far, and the error of a failed one."""
-        out = {"job": self.id, "state": self.state, "done": self.done, "total": self.total, **self.view}
+        done, view = self.progress
+        out = {"job": self.id, "state": self.state, "done": done, "total": self.total, **view}
         return {**out, "error": self.error} if self.error is not None else out
 
 
@@ -59,8 +70,7 @@ class Jobs:
         self._lock = threading.Lock()
 
     def start(self, prepare: Callable[[], tuple[int, Steps]], view: dict[str, Any] | None = None) -> Job:
-        """Run prepare() (its errors are the request's), then run its steps in a thread: (total, steps); `view`
-        is what the job shows before its first step."""
+        """Run prepare() (its errors are the request's), then its (total, steps) in a thread, showing `view` first."""
         if not self._slots.acquire(timeout=self.wait_s):
             raise RequestError(429, f"another {self.what} is being computed; wait for it to finish or stop it")
         try:
@@ -68,7 +78,7 @@ class Jobs:
         except BaseException:
             self._slots.release()
             raise
-        job = Job(secrets.token_hex(8), total, dict(view or {}))
+        job = Job(secrets.token_hex(8), total, (0, dict(view or {})))
         with self._lock:
             self._jobs[job.id] = job
             finished = [j for j in self._jobs.values() if j.state != "running"]
@@ -90,8 +100,7 @@ class Jobs:
                     if done and (job.stop.is_set() or time.monotonic() - job.polled > self.abandoned_s):
                         ended = "cancelled"
                         break
-                    job.view = next(steps)
-                    job.done = done + 1
+                    job.progress = (done + 1, next(steps))
         except Exception as err:  # a fault of the model, not of the request: the page shows it as the job's end
             job.error = " ".join(f"{type(err).__name__}: {err}".split())[:500]
             ended = "failed"

@@ -58,16 +58,18 @@ def base_reference(path: str | Path, role: str = "--init-from") -> dict[str, Any
     return {"path": str(path), "sha256": weights_digest(path), "kind": kind}
 
 
-def check_reference(reference: dict[str, Any], run: str | Path) -> Path:
-    """The base a LoRA run names, if it is still there with the same weights; else a one-line error."""
+def check_reference(reference: dict[str, Any], run: str | Path, what: str = "a LoRA run",
+                    redo: str = "train the adapters again on this one") -> Path:  # fmt: skip
+    """The model a run was trained on (a LoRA run's base, an SAE's model), if it is still there with the same
+    weights; else a one-line error (what: the run's kind; redo: what to do about changed weights)."""
     path = Path(reference["path"])
     if not path.exists():
-        raise QkvError(f"{run} is a LoRA run of {path}, which is gone; put the base back there (sha256 "
-                       f"{reference['sha256'][:12]}…) or export the run merged while you have it")  # fmt: skip
+        raise QkvError(f"{run} is {what} of {path}, which is gone; put the model back there (sha256 "
+                       f"{reference['sha256'][:12]}…)")  # fmt: skip
     if weights_digest(path) != reference["sha256"]:
-        raise QkvError(f"{run} is a LoRA run of {path}, whose weights have changed since (sha256 "
+        raise QkvError(f"{run} is {what} of {path}, whose weights have changed since (sha256 "
                        f"{weights_digest(path)[:12]}…, the run was trained on {reference['sha256'][:12]}…); "
-                       "restore that base, or train the adapters again on this one")  # fmt: skip
+                       f"restore that model, or {redo}")  # fmt: skip
     return path
 
 

@@ -75,7 +75,7 @@ def searched_contexts(lm: nn.Module, sae: SparseAutoencoder, hook: str, windows:
     check_latent(sae, latent)
     found: list[tuple[float, Tensor, Tensor, int]] = []  # (value, window ids, window activations, position)
     for ids, _ in windows:
-        acts = latents_of(lm, sae, hook, ids)[..., latent].cpu()  # (B, T)
+        acts = latents_of(lm, sae, hook, ids)[..., latent].cpu().clone()  # (B, T), not a view of all the latents
         values, flat = acts.flatten().topk(min(top, acts.numel()))
         for value, index in zip(values.tolist(), flat.tolist(), strict=True):
             if value > 0:
@@ -107,6 +107,7 @@ def promoted_tokens(lm: nn.Module, sae: SparseAutoencoder, latent: int,
         raise QkvError("the logit lens of a latent needs a model whose output head is one linear map")
     with torch.no_grad():
         logits = weight.float() @ direction.float().to(weight.device)  # (V,)
+    top = min(top, logits.numel())
     up, down = logits.topk(top), (-logits).topk(top)
     return ([(int(i), float(v)) for v, i in zip(up.values, up.indices, strict=True)],
             [(int(i), -float(v)) for v, i in zip(down.values, down.indices, strict=True)])  # fmt: skip

@@ -26,6 +26,7 @@ from qkv.config import option
 from qkv.data.tokens import TokenData, open_data
 from qkv.errors import QkvError
 from qkv.finetune.base import Base, load_base
+from qkv.finetune.reference import check_reference
 from qkv.interpret.hooks import check_name, hook_sites
 from qkv.io.devices import resolve_device
 from qkv.io.files import load_json
@@ -134,6 +135,8 @@ def load_subject(cfg: SAETrainConfig, reference: dict[str, Any] | None,
     if cfg.lm is None or cfg.source is None:
         raise QkvError("an SAE reads a model's activations on prepared text: give the model and --data DIR")
     data = open_data(cfg.source)
+    if reference is not None:  # a run's model: the very weights it was trained on, or a one-line refusal
+        check_reference(reference, "this run", "an SAE", "train the SAE again on this one")
     base, hook = load_hooked(cfg.lm, cfg.hook, reference, device)
     if data.fingerprint != base.tokenizer.fingerprint():
         raise QkvError(f"{cfg.source} was prepared with another tokenizer than {cfg.lm}'s; prepare it with "
@@ -142,10 +145,10 @@ def load_subject(cfg: SAETrainConfig, reference: dict[str, Any] | None,
 
 
 def load_hooked(lm: str, hook: str | None, reference: dict[str, Any] | None = None,
-                device: str | torch.device = "cpu") -> tuple[Base, str]:  # fmt: skip
+                device: str | torch.device = "cpu", role: str = "MODEL") -> tuple[Base, str]:  # fmt: skip
     """The frozen language model on `device` and the hook it is read at (default: the middle layer's stream),
-    checked to be one of its activations of width d_model."""
-    base = load_base(lm, reference, role="MODEL")
+    checked to be one of its activations of width d_model (role: the option that named the model, for messages)."""
+    base = load_base(lm, reference, role=role)
     base.model.eval().requires_grad_(False).to(device)
     hook = hook or middle_hook(base)
     check_name(hook_sites(base.model), hook)
@@ -318,10 +321,11 @@ class SAETask(Task):
         """The held-out measures, and what to run next."""
         f = result.final
         recovered = f"loss recovered {f['val_loss_recovered']:.1%}, " if "val_loss_recovered" in f else ""
+        unfired = f" ({f['val_unfired_share']:.1%} never fired on held-out text)" if "val_unfired_share" in f else ""
         q = program()
         return "\n".join([
-            f"\nheld-out FVU {f['val_fvu']:.4f}, L0 {f['val_l0']:.1f}, {recovered}dead {f['val_dead_share']:.1%} "
-            f"({f['val_unfired_share']:.1%} never fired on held-out text) after {result.step} steps, "
+            f"\nheld-out FVU {f['val_fvu']:.4f}, L0 {f['val_l0']:.1f}, {recovered}dead {f['val_dead_share']:.1%}"
+            f"{unfired} after {result.step} steps, "
             f"{result.took()} — run saved in {result.run_dir}",
             f"more: {q} eval {result.run_dir}  |  {q} interpret features {result.run_dir}"])
 

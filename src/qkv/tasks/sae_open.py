@@ -68,7 +68,7 @@ def open_sae(path: str | Path, lm: str | None = None, data: str | None = None, c
         if data is not None:
             base, hook, opened = load_subject(cfg, None)
         else:
-            (base, hook), opened = load_hooked(lm, cfg.hook), None
+            (base, hook), opened = load_hooked(lm, cfg.hook, role="--lm"), None
         if sae.cfg.d_model != width_of(base, hook):
             raise QkvError(f"{where} reads activations of width {sae.cfg.d_model}, and {hook} of {lm} has width "
                            f"{width_of(base, hook)}: the SAE belongs to another model")  # fmt: skip

@@ -23,6 +23,11 @@ showHashTab();
 
 window.qkvExplore = { ready: false };
 getJSON("/api/runs") // the runs the page may open, and the spreadsheet's classic table
+  .then((runs) => { // `qkv explore SAE_RUN` opens the Features tab, unless the address names another
+    const opened = runs.runs.find((r) => r.name === runs.default);
+    if (opened && opened.task === "sae" && !location.hash) showTab("features");
+    return runs;
+  })
   .then((runs) => Promise.all([initSheet(runs.classic), initWeights(), initModel(runs), initPositions(), initInside(runs),
     initFeatures(runs)]))
   .then(() => { window.qkvExplore.ready = true; })

@@ -5,7 +5,9 @@
 import { $, debounce, el, fmt, live, post, say, showToken } from "./common.js";
 
 const POLL_MS = 150;
-const state = { run: null, info: null, job: null, stale: true };
+// ticket: each dashboard or steering request takes a new one; an answer whose ticket is no longer the latest (the
+// user asked again, or opened another SAE meanwhile) is dropped, and its dashboard stopped.
+const state = { run: null, info: null, job: null, stale: true, ticket: 0 };
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
@@ -41,8 +43,9 @@ function drawTokens(a) {
 }
 
 const refreshTokens = live(async () => {
-  const run = state.run, text = $("feat-text").value;
-  return { ...(await post("features", { run, hook: state.info.hook, text })), run, text };
+  const run = state.run, text = $("feat-text").value, info = state.info;
+  if (!info) return { run: null }; // the SAE changed while this waited: nothing to draw
+  return { ...(await post("features", { run, hook: info.hook, text })), run, text };
 }, drawTokens);
 
 function drawPromoted(meta) {
@@ -58,12 +61,13 @@ function drawContexts(meta, snap) {
   $("feat-contexts").replaceChildren(...snap.contexts.map((c) => el("li", {
     "data-value": String(c.value), "data-at": c.at, "data-ids": c.ids.join(","), "data-values": c.values.join(","),
   }, el("span", { class: "act", text: fmt(c.value, 3) }), ...c.ids.map((id, i) => {
-    const span = el("span", { class: i === c.at ? "tok at" : "tok", text: showToken(snap.pieces[String(id)]),
-      title: `activation ${fmt(c.values[i], 4)}` });
+    const label = `“${showToken(snap.pieces[String(id)])}” activation ${fmt(c.values[i], 4)}`;
+    const span = el(i === c.at ? "mark" : "span", { class: i === c.at ? "tok at" : "tok", title: label,
+      "aria-label": label, text: showToken(snap.pieces[String(id)]) });
     span.style.background = shade(c.values[i], top);
     return span;
   }))));
-  if (!snap.contexts.length && snap.state !== "running") {
+  if (!snap.contexts.length && snap.state === "done") {
     $("feat-contexts").replaceChildren(el("li", { class: "note", text: `it never fired in ${meta.windows} windows` }));
   }
   const progress = $("feat-progress");
@@ -88,19 +92,40 @@ async function poll(meta) {
   return null;
 }
 
+function showStopped() {
+  const line = $("feat-progress-info");
+  if (line.dataset.state !== "running") return;
+  line.textContent = line.textContent.replace(/ · searching$/, " · stopped");
+  line.dataset.state = "cancelled";
+}
+
 async function stopDashboard() {
   const job = state.job;
   state.job = null;
+  state.ticket += 1; // an answer on its way is now stale
   $("feat-cancel").disabled = true;
+  $("feat-open").disabled = false;
+  showStopped();
   if (job) await post("feature_cancel", { job }).catch(() => null); // it may have finished meanwhile
 }
 
+// A request of the current SAE and ticket: {ticket, run, hook}, or null (with the reason said) when none is open.
+function ticketed() {
+  if (!state.info) { say("the SAE is still opening (or could not be opened): wait, or choose another", true); return null; }
+  state.ticket += 1;
+  return { ticket: state.ticket, run: state.run, hook: state.info.hook };
+}
+
+const current = (t) => t.ticket === state.ticket && t.run === state.run;
+
 async function openLatent() {
   await stopDashboard();
-  const body = { run: state.run, hook: state.info.hook, latent: numberOr($("feat-latent").value) };
+  const t = ticketed();
+  if (!t) return;
   $("feat-open").disabled = true;
   try {
-    const meta = await post("feature", body);
+    const meta = await post("feature", { run: t.run, hook: t.hook, latent: numberOr($("feat-latent").value) });
+    if (!current(t)) { post("feature_cancel", { job: meta.job }).catch(() => null); return; } // superseded
     state.job = meta.job;
     $("feat-cancel").disabled = false;
     $("feat-progress").qkvHistory = [];
@@ -108,22 +133,27 @@ async function openLatent() {
     drawContexts(meta, { state: "running", done: 0, total: meta.total, contexts: [], pieces: {} });
     const end = await poll(meta);
     if (end && end.error) say(end.error, true);
-    else say("");
+    else if (end) say("");
   } catch (err) {
-    say(err.message, true);
+    if (current(t)) say(err.message, true);
   } finally {
-    $("feat-open").disabled = false;
-    $("feat-cancel").disabled = true;
+    if (current(t)) {
+      $("feat-open").disabled = false;
+      $("feat-cancel").disabled = true;
+    }
   }
 }
 
 async function steer() {
-  const body = { run: state.run, hook: state.info.hook, latent: numberOr($("feat-latent").value),
+  const t = ticketed();
+  if (!t) return;
+  const body = { run: t.run, hook: t.hook, latent: numberOr($("feat-latent").value),
     alpha: numberOr($("steer-alpha").value), prompt: $("steer-prompt").value,
     max_new_tokens: numberOr($("steer-tokens").value) };
   $("steer-run").disabled = true;
   try {
     const a = await post("steer", body);
+    if (t.run !== state.run) return; // another SAE was opened meanwhile
     $("steer-plain").textContent = a.prompt + a.plain;
     $("steer-steered").textContent = a.prompt + a.steered;
     $("steer-label").textContent = `steered: latent ${a.latent}, α = ${a.alpha}`;
@@ -131,7 +161,7 @@ async function steer() {
     $("steer-plain").dataset.text = a.plain;
     say("");
   } catch (err) {
-    say(err.message, true);
+    if (t.run === state.run) say(err.message, true);
   } finally {
     $("steer-run").disabled = false;
   }
@@ -149,9 +179,20 @@ async function openRun(name) {
   state.run = name;
   state.info = null;
   delete $("feat-info").dataset.run;
+  $("feat-info").textContent = "opening the SAE and the model it reads …";
   for (const id of ["feat-tokens", "feat-contexts", "feat-promoted"]) $(id).replaceChildren();
   for (const id of ["steer-plain", "steer-steered", "feat-progress-info"]) $(id).textContent = "";
-  const info = await post("sae", { run: name });
+  for (const id of ["steer-plain", "steer-steered", "feat-progress-info"]) delete $(id).dataset.text;
+  delete $("feat-progress-info").dataset.state;
+  $("steer-label").textContent = "steered";
+  $("feat-progress").value = 0;
+  let info;
+  try {
+    info = await post("sae", { run: name });
+  } catch (err) {
+    if (state.run === name) { $("feat-info").textContent = err.message; say(err.message, true); }
+    return;
+  }
   if (state.run !== name) return;
   state.info = info;
   $("feat-info").textContent = `${info.architecture} SAE · ${info.latents.toLocaleString()} latents` +
@@ -159,10 +200,12 @@ async function openRun(name) {
   $("feat-info").dataset.run = name;
   $("feat-info").dataset.hook = info.hook;
   $("feat-latent").max = String(info.latents - 1);
+  state.stale = true;
   refresh();
 }
 
-// Set up the panel on the SAE runs the server offers ({runs, default}).
+// Set up the panel on the SAE runs the server offers ({runs, default}). Opening an SAE reads its model: that
+// waits until the tab is first shown, so that a page opened for another tab never pays for it.
 export async function initFeatures({ runs, default: preferred }) {
   const saes = runs.filter((r) => r.task === "sae");
   $("feat-empty").hidden = saes.length > 0;
@@ -170,15 +213,19 @@ export async function initFeatures({ runs, default: preferred }) {
   $("feat-progress").qkvHistory = [];
   if (saes.length === 0) return;
   $("feat-run").replaceChildren(...saes.map((r) => el("option", { value: r.name, text: r.name })));
-  $("feat-run").addEventListener("change", (e) => openRun(e.target.value).catch((err) => say(err.message, true)));
+  $("feat-run").addEventListener("change", (e) => openRun(e.target.value));
   $("feat-text").addEventListener("input", debounce(() => { if (state.info && visible()) refreshTokens(); }, 200));
   $("feat-open").addEventListener("click", openLatent);
-  $("feat-latent").addEventListener("keydown", (e) => { if (e.key === "Enter") openLatent(); });
+  $("feat-latent").addEventListener("keydown", (e) => { if (e.key === "Enter" && !$("feat-open").disabled) openLatent(); });
   $("feat-cancel").addEventListener("click", stopDashboard);
   $("steer-run").addEventListener("click", steer);
-  new MutationObserver(() => { if (visible() && state.stale) refresh(); })
-    .observe($("features"), { attributes: true, attributeFilter: ["class"] });
   const first = saes.find((r) => r.name === preferred) || saes[0];
   $("feat-run").value = first.name;
-  await openRun(first.name);
+  const shown = () => {
+    if (!visible()) return;
+    if (state.run === null) openRun($("feat-run").value);
+    else if (state.stale) refresh();
+  };
+  new MutationObserver(shown).observe($("features"), { attributes: true, attributeFilter: ["class"] });
+  if (visible()) await openRun(first.name);
 }
