@@ -110,6 +110,8 @@ def test_describe_names_the_model_and_hook(server: Any, root: Path) -> None:
     about = _api(server, "sae", {"run": "runs/sae"})
     assert about["hook"] == HOOK and about["latents"] == 256 and about["k"] == 32 and about["d_model"] == 32
     assert about["model"] == str((root / "runs" / "lm").resolve()) and about["architecture"] == "topk"
+    scale = float(load(root / "runs" / "sae").model.input_scale)
+    assert about["norm"] == pytest.approx(32**0.5 / scale, rel=1e-6)  # the activations' mean norm at the hook
 
 
 def test_token_latents_are_the_python_apis(server: Any, view: SAEView) -> None:
@@ -160,8 +162,10 @@ def test_steering_changes_the_generation_as_the_python_api_does(server: Any, vie
 
 
 BAD = [
-    ("an unknown latent", "feature", {"latent": 256}, 400, "latent 256 does not exist: this SAE has latents 0–255"),
-    ("a negative latent", "steer", {"latent": -1, "alpha": 1, "prompt": "To"}, 400, "'latent' must be a whole number"),
+    ("an unknown latent", "feature", {"latent": 256}, 400, "'latent' must be a whole number between 0 and 255, got 256"),
+    ("a negative latent", "steer", {"latent": -1, "alpha": 1, "prompt": "To"}, 400,
+     "'latent' must be a whole number between 0 and 255, got -1"),
+    ("an empty latent", "feature", {"latent": ""}, 400, "'latent' must be a whole number between 0 and 255, got ''"),
     ("the wrong hook", "features", {"text": "To be", "hook": "decoder.layers.0.resid_pre"}, 400,
      f"this SAE reads {HOOK}, not 'decoder.layers.0.resid_pre'"),
     ("α not a number", "steer", {"latent": 0, "alpha": "lots", "prompt": "To"}, 400, "'alpha' must be a finite number"),

@@ -182,7 +182,7 @@ def test_features_on_the_command_line_equal_the_api(capsys: pytest.CaptureFixtur
     (["--hook", "decoder.layers.9.resid_pre"], "unknown hook name"),
     (["--hook", "decoder.layers.0.attn.z"], "an SAE reads one vector per position"),
     (["--compile"], "--compile is not supported"),
-    (["--model", "k=9999"], "lower --k"),
+    (["--model", "k=9999"], "k = 9999 is more than the 256 latents; lower it (--model k=…)"),
 ])  # fmt: skip
 def test_bad_input_is_refused_in_one_line(capsys: pytest.CaptureFixture[str], world: dict[str, Path], tmp_path: Path,
                                           extra: list[str], message: str) -> None:  # fmt: skip
@@ -201,9 +201,14 @@ def test_data_of_another_tokenizer_and_bad_views_are_refused(
     assert code == 2 and "another tokenizer" in err
     for argv, message in [(["--latent", "99999"], "does not exist"), (["--text", "a", "--latent", "1"], "one of"),
                           (["--latent", "1", "--steer", "2"], "go together"),
-                          (["--random", "0"], "must be ≥ 1")]:  # fmt: skip
+                          (["--random", "0"], "must be ≥ 1"),
+                          (["--latent", "1", "--steer", "nan", "--prompt", "To"], "α must be a finite number"),
+                          (["--latent", "1", "--steer", "1e30", "--prompt", "To"], "between -10000 and 10000"),
+                          (["--latent", "1", "--steer", "2", "--prompt", ""], "--prompt is empty"),
+                          (["--text", ""], "--text is empty"),
+                          (["--text", "x y " * 40], "tokens long but the model reads at most 32; shorten it")]:  # fmt: skip
         code, _, err = run_main(capsys, "interpret", "features", str(sae_run), *argv)
-        assert code == 2 and message in err, err
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     code, _, err = run_main(capsys, "interpret", "features", str(sae_run), "--latent", "nan")
     assert code == 2 and "invalid int value" in err
 

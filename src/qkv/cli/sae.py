@@ -68,7 +68,7 @@ def register(views: Any) -> None:
     f.add_argument("--steer", type=float, metavar="ALPHA", help="with --latent and --prompt: generate with α × the "
                                                                 "latent's direction added, beside the text without")
     f.add_argument("--prompt", help="the prompt --steer continues")
-    f.add_argument("--max-new-tokens", type=int, default=30)
+    f.add_argument("--max-new-tokens", type=int, default=30, help="tokens --steer generates (default 30)")
     f.add_argument("--windows", type=int, default=256, help="held-out windows searched for top contexts (default 256)")
     f.add_argument("--top", type=int, default=8, help="contexts, latents or tokens shown (default 8)")
     f.add_argument("--seed", type=int, default=0, help="--random's draw")
@@ -128,6 +128,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_features(args: argparse.Namespace) -> int:
     """One of the views, by the options given."""
     from qkv.io.devices import resolve_device
+    from qkv.sae.features import check_alpha
     from qkv.tasks.sae_open import open_sae
 
     chosen = [name for name in ("text", "latent", "random") if getattr(args, name) is not None]
@@ -137,6 +138,10 @@ def cmd_features(args: argparse.Namespace) -> int:
         raise QkvError("--steer ALPHA and --prompt go together, with --latent")
     if min(args.top, args.windows, args.max_new_tokens, 1 if args.random is None else args.random) < 1:
         raise QkvError("--top, --windows, --max-new-tokens and --random must be ≥ 1")
+    if args.steer is not None:
+        check_alpha(args.steer)
+    if args.prompt == "" or args.text == "":
+        raise QkvError(f"--{'prompt' if args.prompt == '' else 'text'} is empty; give some text")
     view = open_sae(args.sae, args.lm, args.data, args.checkpoint, resolve_device(args.device))
     if args.text is not None:
         return _text(view, args)
@@ -157,8 +162,6 @@ def _text(view: Any, args: argparse.Namespace) -> int:
     """Each token of --text with its most active latents."""
     from qkv.sae.features import token_latents
 
-    if not args.text:
-        raise QkvError("--text is empty; give some text")
     ids = view.base.tokenizer.encode_tensor(args.text)[None, :].to(next(view.base.model.parameters()).device)
     rows = token_latents(view.base.model, view.sae, view.hook, ids, args.top)
     width = max(len(repr(_piece(view, int(t)))) for t in ids[0])
@@ -223,6 +226,8 @@ def _steer(view: Any, args: argparse.Namespace) -> None:
 
     tokenizer = view.base.tokenizer
     ids = tokenizer.encode_tensor(args.prompt)[None, :].to(next(view.base.model.parameters()).device)
+    if view.norm is not None:
+        print(f"(the activations at {view.hook} have a mean norm of {view.norm:.3g}: α is in those units)")
     for alpha, label in ((0.0, "as it is"), (args.steer, f"steered, α = {args.steer:g}")):
         tokens = steered(view.base.model, view.sae, view.hook, ids, args.latent, alpha, args.max_new_tokens,
                          tokenizer.eos_id)  # fmt: skip

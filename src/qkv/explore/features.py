@@ -35,7 +35,6 @@ MAX_WINDOWS = 4096
 WINDOW_BATCH = 16  # windows per forward pass: one step of the dashboard's job
 STEER_TOKENS = 30
 MAX_STEER_TOKENS = 128
-MAX_ALPHA = 1e4
 JOBS = Jobs("feature dashboard")
 _views: dict[tuple[Path, str], SAEView] = {}  # by run directory and checkpoint: each run's model is read once
 _opening: dict[tuple[Path, str], threading.Lock] = {}  # one lock a run: opening one never waits for another
@@ -78,7 +77,7 @@ def describe(run: Any) -> dict[str, Any]:
     return {"hook": opened.hook, "model": str(opened.base.reference.get("path", "")), "d_model": cfg.d_model,
             "latents": cfg.latents, "architecture": cfg.architecture, "k": cfg.k, "block_size": opened.block_size,
             "val_windows": val.window_count(opened.block_size) if val is not None else 0,
-            "windows": DASHBOARD_WINDOWS, "top": DASHBOARD_TOP}  # fmt: skip
+            "windows": DASHBOARD_WINDOWS, "top": DASHBOARD_TOP, "norm": opened.norm}  # fmt: skip
 
 
 def _ids(opened: SAEView, text: str, what: str) -> list[int]:

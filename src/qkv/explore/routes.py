@@ -32,6 +32,7 @@ from qkv.explore.body import Body
 from qkv.explore.library import SAE_TASK, TASKS, RunLibrary
 from qkv.generation import Sampling
 from qkv.lab.walkthrough import TRAINABLE_SENTENCE
+from qkv.sae.features import MAX_ALPHA
 
 SEED_LIMIT = 2**31 - 1
 
@@ -160,13 +161,14 @@ def feature_tokens(library: RunLibrary, body: Body) -> dict[str, Any]:
                                body.integer("top", 1, features.MAX_TOP, features.TOKEN_TOP), _hook(body))  # fmt: skip
 
 
-def _latent(body: Body) -> int:
-    return body.integer("latent", 0, 2**31 - 1)
+def _latent(run: Any, body: Body) -> int:
+    return body.integer("latent", 0, run.model.cfg.latents - 1)
 
 
 def feature(library: RunLibrary, body: Body) -> dict[str, Any]:
     """POST /api/feature."""
-    return features.dashboard(_sae(library, body), _latent(body),
+    run = _sae(library, body)
+    return features.dashboard(run, _latent(run, body),
                               body.integer("top", 1, features.MAX_TOP, features.DASHBOARD_TOP),
                               body.integer("windows", 1, features.MAX_WINDOWS, features.DASHBOARD_WINDOWS),
                               _hook(body))  # fmt: skip
@@ -184,8 +186,9 @@ def feature_cancel(library: RunLibrary, body: Body) -> dict[str, Any]:
 
 def steer(library: RunLibrary, body: Body) -> dict[str, Any]:
     """POST /api/steer."""
-    return features.steer(_sae(library, body), _latent(body), body.number("alpha", -features.MAX_ALPHA,
-                          features.MAX_ALPHA), body.text("prompt", limit=4000),
+    run = _sae(library, body)
+    return features.steer(run, _latent(run, body), body.number("alpha", -MAX_ALPHA, MAX_ALPHA),
+                          body.text("prompt", limit=4000),
                           body.integer("max_new_tokens", 1, features.MAX_STEER_TOKENS, features.STEER_TOKENS),
                           _hook(body))  # fmt: skip
 

@@ -12,8 +12,10 @@ TopK or BatchTopK SAE's decoder rows unit vectors), so that the numbers shown ar
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -24,6 +26,27 @@ from qkv.interpret.hooks import hooked
 from qkv.interpret.lens import readout_of
 from qkv.sae.activations import read_activation
 from qkv.sae.model import SparseAutoencoder
+
+MAX_ALPHA = 1e4  # steering strengths beyond this only print one token over and over
+
+
+def check_text(lm: nn.Module, ids: Tensor, what: str = "text") -> Tensor:
+    """ids (1, T), refused in one line when empty or longer than the model's context."""
+    cfg: Any = lm.cfg
+    context = int(cfg.context_length)
+    if ids.shape[-1] == 0:
+        raise QkvError(f"the {what} is empty; give some text")
+    if ids.shape[-1] > context:
+        raise QkvError(f"the {what} is {ids.shape[-1]} tokens long but the model reads at most {context}; shorten it")
+    return ids
+
+
+def check_alpha(alpha: float) -> float:
+    """A steering strength, or a one-line error when it is not a finite number within ±MAX_ALPHA."""
+    if not (math.isfinite(alpha) and abs(alpha) <= MAX_ALPHA):
+        raise QkvError(f"the steering strength α must be a finite number between {-MAX_ALPHA:g} and {MAX_ALPHA:g}, "
+                       f"got {alpha:g}")  # fmt: skip
+    return alpha
 
 
 def check_latent(sae: SparseAutoencoder, latent: int) -> int:
@@ -43,7 +66,7 @@ def latents_of(lm: nn.Module, sae: SparseAutoencoder, hook: str, ids: Tensor) ->
 def token_latents(lm: nn.Module, sae: SparseAutoencoder, hook: str, ids: Tensor,
                   top: int = 5) -> list[list[tuple[int, float]]]:  # fmt: skip
     """For each position of one text's ids (1, T): its `top` most active latents, (latent, activation), active only."""
-    latents = latents_of(lm, sae, hook, ids)[0]  # (T, d_sae)
+    latents = latents_of(lm, sae, hook, check_text(lm, ids))[0]  # (T, d_sae)
     values, indices = latents.topk(min(top, latents.shape[-1]), dim=-1)
     pairs = zip(values.tolist(), indices.tolist(), strict=True)
     return [[(i, v) for v, i in zip(vs, ix, strict=True) if v > 0] for vs, ix in pairs]
@@ -118,7 +141,8 @@ def steered(lm: nn.Module, sae: SparseAutoencoder, hook: str, ids: Tensor, laten
     """Greedy continuation of ids (1, T) with α × the latent's decoder row added to the hook at every position
     (α = 0: the model as it is)."""
     check_latent(sae, latent)
-    direction = (alpha * sae.W_dec[latent].detach()).to(next(lm.parameters()).device)
+    check_text(lm, ids, "prompt")
+    direction = (check_alpha(alpha) * sae.W_dec[latent].detach()).to(next(lm.parameters()).device)
 
     def add(a: Tensor) -> Tensor:
         return a + direction.to(a.dtype)

@@ -64,7 +64,7 @@ class SAEConfig(ModelConfig):
         if self.l1_coefficient < 0 or self.aux_coefficient < 0 or not 0 < self.threshold_lr <= 1:
             raise QkvError("l1_coefficient and aux_coefficient must be ≥ 0 and threshold_lr in (0, 1]")
         if self.d_model and self.architecture != "relu" and self.k > self.latents:
-            raise QkvError(f"k = {self.k} is more than the {self.latents} latents; lower --k")
+            raise QkvError(f"k = {self.k} is more than the {self.latents} latents; lower it (--model k=…)")
 
     @property
     def latents(self) -> int:

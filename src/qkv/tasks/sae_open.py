@@ -48,6 +48,7 @@ class SAEView:
     hook: str
     data: TokenData | None
     block_size: int = 128
+    norm: float | None = None  # the activations' mean norm at the hook (a qkv run measured it; SAELens's: unknown)
 
 
 def open_sae(path: str | Path, lm: str | None = None, data: str | None = None, checkpoint: str = "best",
@@ -83,4 +84,5 @@ def view_of(run: SAERun, device: str | torch.device = "cpu") -> SAEView:
     """A loaded SAE run read for its features: its folded SAE, and its model (hash-checked), hook and data."""
     base, hook, opened = run.subject()
     base.model.to(device)
-    return SAEView(run.model.folded().to(device), base, hook, opened, run.config.block_size)
+    norm = run.model.cfg.d_model**0.5 / float(run.model.input_scale)  # the scale took the mean norm to √d
+    return SAEView(run.model.folded().to(device), base, hook, opened, run.config.block_size, norm)

@@ -31,7 +31,11 @@ function drawTokens(a) {
   const chip = ([latent, value]) => {
     const button = el("button", { class: "latent", "data-latent": latent, "data-value": String(value),
       title: `latent ${latent}: activation ${fmt(value, 4)}; click for its dashboard`, text: `${latent} ${fmt(value, 2)}`,
-      onclick: () => { $("feat-latent").value = String(latent); openLatent(); } });
+      onclick: () => {
+        $("feat-latent").value = String(latent);
+        $("feat-latent-view").scrollIntoView({ block: "start" }); // the dashboard is below the table
+        openLatent();
+      } });
     button.style.background = shade(value, top);
     return button;
   };
@@ -45,7 +49,12 @@ function drawTokens(a) {
 const refreshTokens = live(async () => {
   const run = state.run, text = $("feat-text").value, info = state.info;
   if (!info) return { run: null }; // the SAE changed while this waited: nothing to draw
-  return { ...(await post("features", { run, hook: info.hook, text })), run, text };
+  try {
+    return { ...(await post("features", { run, hook: info.hook, text })), run, text };
+  } catch (err) { // refused: the table of the last text would pass for this one's
+    if (run === state.run) { $("feat-tokens").replaceChildren(); delete $("feat-tokens").dataset.text; }
+    throw err;
+  }
 }, drawTokens);
 
 function drawPromoted(meta) {
@@ -200,6 +209,10 @@ async function openRun(name) {
   $("feat-info").dataset.run = name;
   $("feat-info").dataset.hook = info.hook;
   $("feat-latent").max = String(info.latents - 1);
+  if (info.norm) { // α is added to activations of about this norm: start steering at half of it
+    $("steer-norm").textContent = ` The activations here have a mean norm of ${fmt(info.norm, 3)}; α is in those units.`;
+    if (!$("steer-alpha").dataset.edited) $("steer-alpha").value = String(Number((info.norm / 2).toPrecision(2)));
+  }
   state.stale = true;
   refresh();
 }
@@ -219,6 +232,7 @@ export async function initFeatures({ runs, default: preferred }) {
   $("feat-latent").addEventListener("keydown", (e) => { if (e.key === "Enter" && !$("feat-open").disabled) openLatent(); });
   $("feat-cancel").addEventListener("click", stopDashboard);
   $("steer-run").addEventListener("click", steer);
+  $("steer-alpha").addEventListener("input", () => { $("steer-alpha").dataset.edited = "1"; });
   const first = saes.find((r) => r.name === preferred) || saes[0];
   $("feat-run").value = first.name;
   const shown = () => {
