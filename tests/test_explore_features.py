@@ -30,6 +30,7 @@ from qkv.errors import QkvError
 from qkv.explore import features
 from qkv.explore.jobs import Jobs
 from qkv.explore.library import RequestError
+from qkv.sae.activations import read_activation
 from qkv.sae.features import latents_of, promoted_tokens, steered, token_latents, top_contexts
 from qkv.sae.measures import eval_windows
 from qkv.tasks import load
@@ -120,6 +121,9 @@ def test_token_latents_are_the_python_apis(server: Any, view: SAEView) -> None:
     _assert_top_latents(answer["latents"], view, TEXT, 6)
     assert answer["tokens"] == [view.base.tokenizer.decode([i]) for i in answer["ids"]]
     assert sum(len(row) for row in answer["latents"]) > len(answer["ids"])  # real latents, not empty rows
+    ids = _ids(view, TEXT)
+    assert answer["trained"] == view.filters.mask(ids, read_activation(view.base.model, view.hook, ids))[0].tolist()
+    assert answer["trained"][0] is False and all(answer["trained"][1:])  # the first position is left out
 
 
 def _finish(server: Any, job: str) -> tuple[dict[str, Any], list[int]]:
@@ -162,7 +166,8 @@ def test_steering_changes_the_generation_as_the_python_api_does(server: Any, vie
 
 
 BAD = [
-    ("an unknown latent", "feature", {"latent": 256}, 400, "'latent' must be a whole number between 0 and 255, got 256"),
+    ("an unknown latent", "feature", {"latent": 256}, 400,
+     "'latent' must be a whole number between 0 and 255, got 256"),
     ("a negative latent", "steer", {"latent": -1, "alpha": 1, "prompt": "To"}, 400,
      "'latent' must be a whole number between 0 and 255, got -1"),
     ("an empty latent", "feature", {"latent": ""}, 400, "'latent' must be a whole number between 0 and 255, got ''"),

@@ -206,7 +206,7 @@ def test_data_of_another_tokenizer_and_bad_views_are_refused(
                           (["--latent", "1", "--steer", "1e30", "--prompt", "To"], "between -10000 and 10000"),
                           (["--latent", "1", "--steer", "2", "--prompt", ""], "--prompt is empty"),
                           (["--text", ""], "--text is empty"),
-                          (["--text", "x y " * 40], "tokens long but the model reads at most 32; shorten it")]:  # fmt: skip
+                          (["--text", "x y " * 40], "but the model reads at most 32; shorten it")]:  # fmt: skip
         code, _, err = run_main(capsys, "interpret", "features", str(sae_run), *argv)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     code, _, err = run_main(capsys, "interpret", "features", str(sae_run), "--latent", "nan")

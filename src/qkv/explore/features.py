@@ -23,6 +23,7 @@ from qkv.errors import QkvError
 from qkv.explore.inside import checked_ids, device_of, heavy_slot, pieces
 from qkv.explore.jobs import Jobs, Steps
 from qkv.explore.library import RequestError
+from qkv.sae.activations import read_activation
 from qkv.sae.features import Context, check_latent, promoted_tokens, searched_contexts, steered, token_latents
 from qkv.sae.measures import eval_windows
 from qkv.tasks.sae_open import SAEView, view_of
@@ -87,15 +88,19 @@ def _ids(opened: SAEView, text: str, what: str) -> list[int]:
 
 
 def token_view(run: Any, text: str, top: int = TOKEN_TOP, hook: str | None = None) -> dict[str, Any]:
-    """Each token of `text` and its `top` most active latents, as [latent, activation] pairs, active ones only."""
+    """Each token of `text` and its `top` most active latents, as [latent, activation] pairs, active ones only, and
+    whether training would have read its position (`trained`: not the first position, BOS or an outlying norm)."""
     opened = checked(run, hook)
     ids = _ids(opened, text, "text")
     model = opened.base.model
+    tensor = torch.tensor([ids], device=device_of(model))
     with heavy_slot():
-        rows = token_latents(model, opened.sae, opened.hook, torch.tensor([ids], device=device_of(model)), top)
+        rows = token_latents(model, opened.sae, opened.hook, tensor, top)
+        kept = opened.filters.mask(tensor, read_activation(model, opened.hook, tensor))[0]
     tokenizer = opened.base.tokenizer
     return {"hook": opened.hook, "ids": ids, "tokens": [tokenizer.decode([i]) for i in ids],
-            "latents": [[[latent, value] for latent, value in row] for row in rows]}  # fmt: skip
+            "latents": [[[latent, value] for latent, value in row] for row in rows],
+            "trained": kept.tolist()}  # fmt: skip
 
 
 def _context(context: Context) -> dict[str, Any]:

@@ -4,7 +4,7 @@ activation cache a run can read instead of computing (`qkv interpret sae cache`)
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -14,7 +14,7 @@ from qkv.errors import QkvError
 from qkv.finetune.base import Base
 from qkv.io.devices import matmul_precision, resolve_device, resolve_dtype
 from qkv.sae import SparseAutoencoder
-from qkv.sae.activations import ActivationStream
+from qkv.sae.activations import ActivationStream, Filters
 from qkv.sae.cache import write_cache
 from qkv.tasks.sae import SAERun, SAETrainConfig, cache_about, filters_of, load_hooked, load_subject, recipe, width_of
 
@@ -49,6 +49,7 @@ class SAEView:
     data: TokenData | None
     block_size: int = 128
     norm: float | None = None  # the activations' mean norm at the hook (a qkv run measured it; SAELens's: unknown)
+    filters: Filters = field(default_factory=Filters)  # the positions its training left out (a run's own)
 
 
 def open_sae(path: str | Path, lm: str | None = None, data: str | None = None, checkpoint: str = "best",
@@ -85,4 +86,5 @@ def view_of(run: SAERun, device: str | torch.device = "cpu") -> SAEView:
     base, hook, opened = run.subject()
     base.model.to(device)
     norm = run.model.cfg.d_model**0.5 / float(run.model.input_scale)  # the scale took the mean norm to √d
-    return SAEView(run.model.folded().to(device), base, hook, opened, run.config.block_size, norm)
+    return SAEView(run.model.folded().to(device), base, hook, opened, run.config.block_size, norm,
+                   filters_of(run.config, base))  # fmt: skip

@@ -27,7 +27,9 @@ function numberOr(text) {
 
 function drawTokens(a) {
   if (a.run !== state.run) return;
-  const top = Math.max(1e-9, ...a.latents.flat().map(([, v]) => v));
+  // Positions training left out (the first one, the attention sink, has activations many times the others'):
+  // shown, but greyed and not counted in the shading's scale.
+  const top = Math.max(1e-9, ...a.latents.filter((_, i) => a.trained[i]).flat().map(([, v]) => v));
   const chip = ([latent, value]) => {
     const button = el("button", { class: "latent", "data-latent": latent, "data-value": String(value),
       title: `latent ${latent}: activation ${fmt(value, 4)}; click for its dashboard`, text: `${latent} ${fmt(value, 2)}`,
@@ -36,10 +38,12 @@ function drawTokens(a) {
         $("feat-latent-view").scrollIntoView({ block: "start" }); // the dashboard is below the table
         openLatent();
       } });
-    button.style.background = shade(value, top);
+    button.style.background = shade(Math.min(value, top), top);
     return button;
   };
-  const rows = a.tokens.map((token, i) => el("tr", { "data-pos": i }, el("th", { text: showToken(token) }),
+  const rows = a.tokens.map((token, i) => el("tr", { "data-pos": i, class: a.trained[i] ? "" : "untrained",
+    title: a.trained[i] ? "" : "training left this position out (the first of a window, BOS, or an outlying norm): " +
+      "its latents are not what the SAE learned to read" }, el("th", { text: showToken(token) }),
     el("td", {}, ...(a.latents[i].length ? a.latents[i].map(chip) : [el("span", { class: "note", text: "none active" })]))));
   $("feat-tokens").replaceChildren(el("tr", {}, el("th", { text: "token" }),
     el("th", { text: "most active latents: latent activation" })), ...rows);
@@ -210,7 +214,8 @@ async function openRun(name) {
   $("feat-info").dataset.hook = info.hook;
   $("feat-latent").max = String(info.latents - 1);
   if (info.norm) { // α is added to activations of about this norm: start steering at half of it
-    $("steer-norm").textContent = ` The activations here have a mean norm of ${fmt(info.norm, 3)}; α is in those units.`;
+    $("steer-norm").textContent = ` The activations here have a mean norm of ${info.norm.toPrecision(3)}; α is in ` +
+      "those units.";
     if (!$("steer-alpha").dataset.edited) $("steer-alpha").value = String(Number((info.norm / 2).toPrecision(2)));
   }
   state.stale = true;
