@@ -7,6 +7,7 @@ to another host than the local server.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -58,6 +59,16 @@ class Page:
         self.js(f"const e = document.getElementById(arguments[0]); e.value = arguments[1];"
                 f"e.dispatchEvent(new Event('{event}', {{bubbles: true}}));", element_id, str(value))  # fmt: skip
 
+    def assert_clean(self, refused_route: str, asked_route: str) -> None:
+        """No console error or warning but the 400 of `refused_route` that a test asked for, and every request to
+        the local server only, `asked_route` among them."""
+        self.collect()
+        refused = f"api/{refused_route} - Failed to load resource: the server responded with a status of 400"
+        errors = [e for e in self.console if e["level"] in ("SEVERE", "WARNING") and refused not in e["message"]]
+        assert errors == [], errors
+        hosts = {urlsplit(u).netloc for u in self.requests if not u.startswith(("data:", "blob:", "about:"))}
+        assert hosts == {urlsplit(self.url).netloc} and any(f"/api/{asked_route}" in u for u in self.requests)
+
     def texts(self, selector: str) -> list[str]:
         """The text of every element matching a CSS selector."""
         return list(self.js("return Array.from(document.querySelectorAll(arguments[0])).map(e => e.textContent);",
@@ -78,19 +89,26 @@ def wait_for(check: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
     pytest.fail(f"timed out waiting for {what}")
 
 
-@pytest.fixture(scope="module")
-def page(explore_root: Path) -> Iterator[Page]:
-    """The runs of conftest.explore_root (a 2-layer × 2-head language model, a translation model) in Chromium."""
+@contextlib.contextmanager
+def opened_page(root: Path, *args: str, anchor: str = "", height: int = 1600) -> Iterator[Page]:
+    """Headless Chromium on a real `qkv explore ARGS` run in root, at #anchor, once the page says it is ready."""
     browser = find_browser()  # before the work: a missing browser fails at once, with the reason
-    with explore_server(explore_root, "runs/lm") as explorer:
-        driver = chrome(*browser, height=1600)
+    with explore_server(root, *args) as explorer:
+        driver = chrome(*browser, height=height)
         try:
-            driver.get(explorer.url)
-            page = Page(driver, explorer.url, explore_root)
+            driver.get(explorer.url + (f"#{anchor}" if anchor else ""))
+            page = Page(driver, explorer.url, root)
             wait_for(lambda: page.js("return window.qkvExplore && window.qkvExplore.ready"), "the page to load")
             yield page
         finally:
             driver.quit()
+
+
+@pytest.fixture(scope="module")
+def page(explore_root: Path) -> Iterator[Page]:
+    """The runs of conftest.explore_root (a 2-layer × 2-head language model, a translation model) in Chromium."""
+    with opened_page(explore_root, "runs/lm") as page:
+        yield page
 
 
 @pytest.fixture(autouse=True)

@@ -9,19 +9,18 @@ asks nothing of any other host. Set QKV_EXPLORE_SHOTS to a directory to keep a s
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
 import torch
-from helpers import chrome, explore_server, find_browser
+from helpers import explore_server
 from test_explore import _request
-from test_explore_browser import Page, wait_for
+from test_explore_browser import Page, opened_page, wait_for
+from test_explore_inside import _api, _shot
 from test_sae_task import HOOK, SAE, TINY
 
 from qkv.cli import main
@@ -68,13 +67,6 @@ def server(root: Path) -> Iterator[Any]:
     """The explorer serving root/runs, as a real process."""
     with explore_server(root, "--runs", "runs") as explorer:
         yield explorer
-
-
-def _api(server: Any, route: str, body: dict[str, Any]) -> dict[str, Any]:
-    status, answer = _request(server.url + "api/" + route, body)
-    assert status == 200, answer
-    result: dict[str, Any] = answer
-    return result
 
 
 def _ids(view: SAEView, text: str) -> torch.Tensor:
@@ -242,16 +234,8 @@ def test_a_dashboard_stops_when_asked_and_frees_its_slot(root: Path, monkeypatch
 @pytest.fixture(scope="module")
 def page(root: Path) -> Iterator[Page]:
     """The tab in Chromium, opened at #features on runs/sae."""
-    browser = find_browser()
-    with explore_server(root, "runs/sae", "--runs", "runs") as explorer:
-        driver = chrome(*browser, height=2000)
-        try:
-            driver.get(explorer.url + "#features")
-            page = Page(driver, explorer.url, root)
-            wait_for(lambda: page.js("return window.qkvExplore && window.qkvExplore.ready"), "the page to load")
-            yield page
-        finally:
-            driver.quit()
+    with opened_page(root, "runs/sae", "--runs", "runs", anchor="features", height=2000) as page:
+        yield page
 
 
 def _cells(page: Page, selector: str, *attributes: str) -> list[list[str]]:
@@ -308,10 +292,7 @@ def test_page_steering_changes_the_generation(page: Page, view: SAEView) -> None
     want = [tokenizer.decode(steered(view.base.model, view.sae, view.hook, _ids(view, PROMPT), latent, a, 12,
                                      tokenizer.eos_id)) for a in (0.0, ALPHA)]  # fmt: skip
     assert [plain, steered_text] == want and plain != steered_text
-    folder = os.environ.get("QKV_EXPLORE_SHOTS")
-    if folder:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        page.driver.find_element("id", "features").screenshot(str(Path(folder) / "features.png"))
+    _shot(page, "features", "features")
     page.set_value("steer-alpha", "lots")  # not a number: refused, and the page says why
     page.driver.find_element("id", "steer-run").click()
     wait_for(lambda: "'alpha' must be a finite number" in page.texts("#status")[0], "the refusal in the status line")
@@ -319,10 +300,4 @@ def test_page_steering_changes_the_generation(page: Page, view: SAEView) -> None
 
 def test_the_tab_logs_no_error_and_asks_only_its_server(page: Page) -> None:
     page.tab("features")
-    page.collect()
-    refused = "api/steer - Failed to load resource: the server responded with a status of 400"  # asked for
-    errors = [e for e in page.console if e["level"] in ("SEVERE", "WARNING") and refused not in e["message"]]
-    assert errors == [], errors
-    served = urlsplit(page.url).netloc
-    hosts = {urlsplit(u).netloc for u in page.requests if not u.startswith(("data:", "blob:", "about:"))}
-    assert hosts == {served} and any("/api/feature_status" in u for u in page.requests)
+    page.assert_clean("steer", "feature_status")  # the test asked for that refusal

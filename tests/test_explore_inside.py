@@ -15,14 +15,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
 import torch
-from helpers import chrome, explore_server, find_browser, tiny_settings
+from helpers import explore_server, tiny_settings
 from test_explore import _request
-from test_explore_browser import Page, wait_for
+from test_explore_browser import Page, opened_page, wait_for
 
 from qkv.explore.inside import ordinary_range
 from qkv.explore.library import RequestError
@@ -278,16 +277,8 @@ def test_the_page_refuses_other_scripts(server: Any) -> None:
 @pytest.fixture(scope="module")
 def page(root: Path) -> Iterator[Page]:
     """The panel in Chromium, opened at #inside on runs/lm."""
-    browser = find_browser()
-    with explore_server(root, "runs/lm", "--runs", "runs") as explorer:
-        driver = chrome(*browser, height=2400)
-        try:
-            driver.get(explorer.url + "#inside")
-            page = Page(driver, explorer.url, root)
-            wait_for(lambda: page.js("return window.qkvExplore && window.qkvExplore.ready"), "the page to load")
-            yield page
-        finally:
-            driver.quit()
+    with opened_page(root, "runs/lm", "--runs", "runs", anchor="inside", height=2400) as page:
+        yield page
 
 
 def _shot(page: Page, element_id: str, name: str) -> None:
@@ -379,10 +370,4 @@ def test_page_head_scores_are_qkv_interpret_head_scores(page: Page) -> None:
 
 def test_the_panel_logs_no_error_and_asks_only_its_server(page: Page) -> None:
     page.tab("inside")
-    page.collect()
-    refused = "api/patching - Failed to load resource: the server responded with a status of 400"  # asked for
-    errors = [e for e in page.console if e["level"] in ("SEVERE", "WARNING") and refused not in e["message"]]
-    assert errors == [], errors
-    served = urlsplit(page.url).netloc
-    hosts = {urlsplit(u).netloc for u in page.requests if not u.startswith(("data:", "blob:", "about:"))}
-    assert hosts == {served} and any("/api/lens" in u for u in page.requests)
+    page.assert_clean("patching", "lens")  # the test asked for that refusal
