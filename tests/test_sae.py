@@ -168,7 +168,7 @@ def test_dead_latents_are_counted_in_tokens() -> None:
 
 def test_bad_configs_and_files_are_refused_in_one_line(tmp_path: Path) -> None:
     """k above the latents, an SAE without a width, and a directory that is not SAELens's format."""
-    with pytest.raises(QkvError, match="lower --k"):
+    with pytest.raises(QkvError, match=r"k = 9 is more than the 8 latents; lower it \(--model k=…\)"):
         SAEConfig(d_model=4, d_sae=8, k=9)
     with pytest.raises(QkvError, match="width of the activation"):
         SAEConfig().build()
