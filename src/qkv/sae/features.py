@@ -13,6 +13,7 @@ TopK or BatchTopK SAE's decoder rows unit vectors), so that the numbers shown ar
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -86,8 +87,8 @@ def top_contexts(lm: nn.Module, sae: SparseAutoencoder, hook: str, windows: Iter
                  latent: int, top: int = 10, before: int = 12, after: int = 3) -> list[Context]:  # fmt: skip
     """The latent's `top` highest activations over the windows (B, T) (its dashboard), each with `before` tokens
     before it and `after` after it; a position counts once, its window's other positions may appear again."""
-    *_, found = [[], *searched_contexts(lm, sae, hook, windows, latent, top, before, after)]
-    return found
+    last = deque(searched_contexts(lm, sae, hook, windows, latent, top, before, after), maxlen=1)  # the final step
+    return last[0] if last else []
 
 
 def searched_contexts(lm: nn.Module, sae: SparseAutoencoder, hook: str, windows: Iterable[tuple[Tensor, Tensor]],
