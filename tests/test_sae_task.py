@@ -183,6 +183,9 @@ def test_features_on_the_command_line_equal_the_api(capsys: pytest.CaptureFixtur
     (["--hook", "decoder.layers.0.attn.z"], "an SAE reads one vector per position"),
     (["--compile"], "--compile is not supported"),
     (["--model", "k=9999"], "k = 9999 is more than the 256 latents; lower it (--model k=…)"),
+    (["--model", "n_layers=3"], "unknown model setting 'n_layers'; the model's fields: architecture, "),
+    (["--n-layers", "3"], "unrecognized arguments: --n-layers 3"),
+    (["--nproc", "2"], "`qkv train sae` trains on one process: drop --nproc"),
 ])  # fmt: skip
 def test_bad_input_is_refused_in_one_line(capsys: pytest.CaptureFixture[str], world: dict[str, Path], tmp_path: Path,
                                           extra: list[str], message: str) -> None:  # fmt: skip

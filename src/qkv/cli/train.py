@@ -48,6 +48,8 @@ def main(argv: list[str]) -> int:
         _refuse_architecture(args)
     cfg = resumed(task, settings) if settings.get("resume") else recipe(task, settings)  # checked once, here
     nproc = getattr(args, "nproc", None)
+    if nproc is not None and not cls.model_class.stacks:
+        raise QkvError(f"`qkv train {task}` trains on one process: drop --nproc")
     if nproc is not None:
         return _launch(nproc, ["train", task, *_without_nproc(rest)], cfg)
     result = train(cfg)
@@ -93,12 +95,19 @@ def build_parser(task: str, cls: type[RunConfig[Any]]) -> argparse.ArgumentParse
         else:
             shown = ",".join(default) if isinstance(default, tuple) else "none" if default is None else default
             p.add_argument(option, dest=flag, type=kind, help=f"{text} (default {shown})", **_choices(hint))
+    model = cls.model_class
+    if not model.stacks:  # a model without layers (an SAE): its own fields only, and no layer shortcuts
+        fields = ", ".join(sorted(f.name for f in dataclasses.fields(model)))
+        p.add_argument("--model", action="append", type=key_value, metavar="KEY=VALUE",
+                       help=f"a setting of the model ({model.__name__}): one of {fields} (repeatable)")
+        p.add_argument("--nproc", type=int, help=argparse.SUPPRESS)  # refused with a reason in main()
+        return p
     p.add_argument("--model", action="append", type=key_value, metavar="KEY=VALUE",
-                   help=f"a setting of the model ({cls.model_class.__name__}): a path such as "
+                   help=f"a setting of the model ({model.__name__}): a path such as "
                         "decoder.block.attention.n_kv_heads=2, a block's or stack's setting for every block "
                         "(attention.n_kv_heads=2, n_layers=4), or attention=mla to change a part's kind "
                         "(repeatable)")  # fmt: skip
-    sides = " (of the encoder and of the decoder)" if len(cls.model_class.stacks) > 1 else ""
+    sides = " (of the encoder and of the decoder)" if len(model.stacks) > 1 else ""
     for name, text in SHORTCUTS:
         p.add_argument(f"--{name.replace('_', '-')}", dest=f"shortcut_{name}", type=int if name != "dropout" else float,
                        metavar=name.upper(), help=f"model: {text}{sides if name == 'n_layers' else ''}")  # fmt: skip

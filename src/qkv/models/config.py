@@ -124,6 +124,8 @@ class ModelConfig(Config):
         names = {f.name for f in dataclasses.fields(self)}
         if "." in key or key in names or key in _STACK_FIELDS or (key in _BLOCK_FIELDS and key not in _FLAT_MEANING):
             return {key: value}
+        if not self.stacks:
+            raise QkvError(f"unknown model setting {key!r}; the model's fields: {', '.join(sorted(names))}")
         if key == "embedding_norm":  # a norm over the embeddings like the blocks' norms, or none
             return {"embedding.norm": self.blocks()[0].norm.to_dict() if value else None}
         translated = config_v1.setting(key, value)
@@ -140,6 +142,9 @@ class ModelConfig(Config):
         head = key.split(".", 1)[0]
         if head in {f.name for f in dataclasses.fields(self)}:
             return [key]
+        if not self.stacks:  # no stack or block fields to reach: refused, not silently set nowhere
+            names = ", ".join(sorted(f.name for f in dataclasses.fields(self)))
+            raise QkvError(f"unknown model setting {key!r}; the model's fields: {names}")
         if head in _STACK_FIELDS:
             return [f"{name}.{key}" for name in self.stacks]
         if head in _BLOCK_FIELDS:

@@ -10,7 +10,8 @@ that would teach the SAE little are dropped, and the choice is saved with the ru
 The stream is a pure function of (seed, position): buffer r is filled from windows drawn by a generator seeded with
 (seed, r), exactly `buffer_tokens` rows kept, and shuffled by the same generator. A resumed run starting at step s
 refills buffer ⌊s·B / buffer_tokens⌋ and carries on from its offset: it reads what the uninterrupted run read. Memory
-does not grow with the number of tokens trained on: a buffer held, and the next one while it is filled.
+does not grow with the number of tokens trained on: a buffer held, and the next one while it is filled, and the heap
+pages freed in between are given back to the OS at each new buffer.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from qkv.data.batches import random_windows
 from qkv.data.tokens import TokenSplit
 from qkv.errors import QkvError
 from qkv.interpret.hooks import hooked
+from qkv.io.devices import release_freed_memory
 
 
 class _Reached(Exception):
@@ -83,6 +85,9 @@ class Buffered(ABC):
         """Buffer `index`: the one held, or loaded (the one held is let go first, so that one is in memory)."""
         if self._held is None or self._held[0] != index:
             self._held = None
+            # Training keeps freed heap memory for reuse (keep_freed_memory); AuxK's steps free it in pieces that the
+            # next steps do not fit back exactly, so without this the heap would grow with every buffer trained on.
+            release_freed_memory()
             self._held = index, self.load(index)
         return self._held[1]
 
