@@ -24,7 +24,7 @@ from qkv.explore.inside import checked_ids, device_of, heavy_slot, pieces
 from qkv.explore.jobs import Jobs, Steps
 from qkv.explore.library import RequestError
 from qkv.sae.activations import read_activation
-from qkv.sae.features import Context, check_latent, promoted_tokens, searched_contexts, steered, token_latents
+from qkv.sae.features import Context, check_latent, promoted_tokens, searched_contexts, steered, top_latents
 from qkv.sae.measures import eval_windows
 from qkv.tasks.sae_open import SAEView, view_of
 
@@ -94,9 +94,10 @@ def token_view(run: Any, text: str, top: int = TOKEN_TOP, hook: str | None = Non
     ids = _ids(opened, text, "text")
     model = opened.base.model
     tensor = torch.tensor([ids], device=device_of(model))
-    with heavy_slot():
-        rows = token_latents(model, opened.sae, opened.hook, tensor, top)
-        kept = opened.filters.mask(tensor, read_activation(model, opened.hook, tensor))[0]
+    with heavy_slot(), torch.no_grad():
+        acts = read_activation(model, opened.hook, tensor)  # (1, T, d): read once, for the latents and the filters
+        rows = top_latents(opened.sae.encode(acts.to(device_of(opened.sae)).float())[0], top)
+        kept = opened.filters.mask(tensor, acts)[0]
     tokenizer = opened.base.tokenizer
     return {"hook": opened.hook, "ids": ids, "tokens": [tokenizer.decode([i]) for i in ids],
             "latents": [[[latent, value] for latent, value in row] for row in rows],

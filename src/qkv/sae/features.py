@@ -4,7 +4,7 @@ the tokens its decoder direction promotes, and steering with it.
 All of them read the SAE as SAELens saves it (SparseAutoencoder.folded): latents in the model's units (and a
 TopK or BatchTopK SAE's decoder rows unit vectors), so that the numbers shown are the ones a SAELens copy shows.
 
-    token_latents(lm, sae, hook, ids)                   each position's most active latents
+    token_latents(lm, sae, hook, ids)                   each position's most active latents (top_latents of them)
     top_contexts(lm, sae, hook, windows, latent)        the highest activations over held-out windows, in context
     promoted_tokens(lm, sae, latent)                    the decoder row through the unembedding (logit lens)
     steered(lm, sae, hook, ids, latent, alpha, n)       greedy text with α × the decoder row added at the hook
@@ -67,7 +67,11 @@ def latents_of(lm: nn.Module, sae: SparseAutoencoder, hook: str, ids: Tensor) ->
 def token_latents(lm: nn.Module, sae: SparseAutoencoder, hook: str, ids: Tensor,
                   top: int = 5) -> list[list[tuple[int, float]]]:  # fmt: skip
     """For each position of one text's ids (1, T): its `top` most active latents, (latent, activation), active only."""
-    latents = latents_of(lm, sae, hook, check_text(lm, ids))[0]  # (T, d_sae)
+    return top_latents(latents_of(lm, sae, hook, check_text(lm, ids))[0], top)
+
+
+def top_latents(latents: Tensor, top: int = 5) -> list[list[tuple[int, float]]]:
+    """For each row of latents (T, d_sae): its `top` most active latents, (latent, activation), active only."""
     values, indices = latents.topk(min(top, latents.shape[-1]), dim=-1)
     pairs = zip(values.tolist(), indices.tolist(), strict=True)
     return [[(i, v) for v, i in zip(vs, ix, strict=True) if v > 0] for vs, ix in pairs]
