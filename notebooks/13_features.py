@@ -128,7 +128,7 @@ assert precision[best] >= 0.9 and recall[best] >= 0.9
 
 # %%
 for c in top_contexts(view.base.model, view.sae, view.hook, eval_windows(view.data.split("val"), 32, 200, 16),
-                      best, top=5):
+                      best, top=5, filters=view.filters):
     print(f"{c.value:6.2f}  " + "".join(f"[{tokenizer.decode([t])}]" if i == c.at else tokenizer.decode([t])
                                         for i, t in enumerate(c.tokens)))
 up, _ = promoted_tokens(view.base.model, view.sae, best, top=5)

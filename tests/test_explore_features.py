@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import explore_server
+from helpers import explore_server, run_main
 from test_explore import _request
 from test_explore_browser import Page, opened_page, wait_for
 from test_explore_inside import _api, _shot
@@ -76,7 +76,7 @@ def _ids(view: SAEView, text: str) -> torch.Tensor:
 def _expected_contexts(view: SAEView, latent: int, windows: int, top: int = 8) -> list[Any]:
     split = view.data.split("val")  # type: ignore[union-attr]
     found = eval_windows(split, view.block_size, min(windows, split.window_count(view.block_size)), 16)
-    return top_contexts(view.base.model, view.sae, view.hook, found, latent, top)
+    return top_contexts(view.base.model, view.sae, view.hook, found, latent, top, filters=view.filters)
 
 
 def _assert_top_latents(rows: list[list[list[float]]], view: SAEView, text: str, top: int) -> None:
@@ -144,6 +144,31 @@ def test_dashboard_is_top_contexts_and_promoted_tokens(server: Any, view: SAEVie
         assert (got["ids"], got["at"]) == (want.tokens, want.at)
         np.testing.assert_allclose([got["value"], *got["values"]], [want.value, *want.values], atol=1e-5, rtol=0)
     assert set(done["pieces"]) == {str(i) for c in expected for i in c.tokens}
+
+
+def test_a_saelens_directory_opens_with_the_model_given(capsys: pytest.CaptureFixture[str], root: Path,
+                                                        view: SAEView) -> None:  # fmt: skip
+    """The run exported to SAELens's format opens with --lm and --data: its latents and top contexts are the run's
+    (the same function); without --lm, or --lm with a qkv run, a one-line refusal before any server starts."""
+    if not (root / "saelens" / "cfg.json").is_file():
+        assert main(["interpret", "sae", "export", str(root / "runs" / "sae"), str(root / "saelens")]) == 0
+    for argv, message in [(["saelens"], "is a SAELens SAE: give the model it reads with --lm MODEL"),
+                          (["runs/sae", "--lm", "runs/lm"], "is no SAELens directory (no cfg.json)"),
+                          (["--data", "data"], "--data goes with --lm")]:  # fmt: skip
+        code, _, err = run_main(capsys, "explore", "--no-browser", *[str(root / a) if "/" in a or a in ("saelens",
+                                "data") else a for a in argv])  # fmt: skip
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    with explore_server(root, "saelens", "--lm", "runs/lm", "--data", "data", "--runs", "runs") as server:
+        about = _api(server, "sae", {"run": "saelens"})
+        assert (about["hook"], about["latents"], about["norm"]) == (HOOK, 256, None)  # SAELens keeps no norm
+        answer = _api(server, "features", {"run": "saelens", "text": TEXT, "top": 6, "hook": HOOK})
+        _assert_top_latents(answer["latents"], view, TEXT, 6)
+        latent = _busiest(view)
+        start = _api(server, "feature", {"run": "saelens", "latent": latent, "windows": 64, "hook": HOOK})
+        done, _ = _finish(server, start["job"])
+    expected = _expected_contexts(view, latent, 64)
+    assert [(c["ids"], c["at"]) for c in done["contexts"]] == [(c.tokens, c.at) for c in expected] != []
+    np.testing.assert_allclose([c["value"] for c in done["contexts"]], [c.value for c in expected], atol=1e-4, rtol=0)
 
 
 def test_steering_changes_the_generation_as_the_python_api_does(server: Any, view: SAEView) -> None:

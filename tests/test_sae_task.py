@@ -21,7 +21,7 @@ from qkv.errors import QkvError
 from qkv.sae import SAEConfig, load_saelens, save_saelens
 from qkv.sae.activations import ActivationStream, Filters, geometric_median, read_activation
 from qkv.sae.cache import CachedStream, write_cache
-from qkv.sae.features import token_latents
+from qkv.sae.features import latents_of, token_latents, top_contexts
 from qkv.sae.measures import eval_windows, sae_measures
 from qkv.tasks import load
 from qkv.tasks.sae import filters_of
@@ -192,6 +192,19 @@ def test_bad_input_is_refused_in_one_line(capsys: pytest.CaptureFixture[str], wo
     code, _, err = _train(capsys, world, tmp_path / "bad", "--max-steps", "2", *extra)
     assert code == 2 and message in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_dashboards_leave_out_the_positions_training_left_out(sae_run: Path) -> None:
+    """The latent most active at a window's first position (the attention sink) tops its own dashboard there;
+    with the run's filters that position counts as 0, and no context is at a window's start (at == 0 iff so)."""
+    view = open_sae(sae_run)
+    windows = list(eval_windows(view.data.split("val"), 32, 16, 16))  # type: ignore[union-attr]
+    latents = latents_of(view.base.model, view.sae, view.hook, windows[0][0])  # (B, T, d_sae)
+    latent = int(latents[:, 0].amax(0).argmax())
+    plain = top_contexts(view.base.model, view.sae, view.hook, windows, latent, 4)
+    assert plain[0].at == 0  # the sink's outsized activation wins when nothing is left out
+    kept = top_contexts(view.base.model, view.sae, view.hook, windows, latent, 4, filters=view.filters)
+    assert kept and all(c.at > 0 for c in kept) and kept[0].value < plain[0].value
 
 
 def test_data_of_another_tokenizer_and_bad_views_are_refused(

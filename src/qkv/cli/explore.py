@@ -21,6 +21,8 @@ def register(sub: Any) -> None:
     p.add_argument("--port", type=int, default=0, help="the port (default: a free one)")
     p.add_argument("--no-browser", action="store_true", help="print the address without opening a browser")
     p.add_argument("--checkpoint", default="best", choices=CHECKPOINTS, help="the runs' weights (default best)")
+    p.add_argument("--lm", help="the model a SAELens SAE (a directory with cfg.json) reads, for its Features tab")
+    p.add_argument("--data", help="with --lm: a `qkv prepare` directory the SAELens SAE's top contexts come from")
 
 
 def cmd_explore(args: argparse.Namespace) -> int:
@@ -36,11 +38,29 @@ def cmd_explore(args: argparse.Namespace) -> int:
     from qkv.explore.server import serve
 
     run_dir = Path(args.run_dir) if args.run_dir is not None else None
-    if run_dir is not None:
+    _check_saelens(run_dir, args.lm, args.data)
+    if run_dir is not None and args.lm is None:
         from qkv.tasks.checkpoint import model_task
 
         model_task(run_dir, "MODEL")  # a run, or a checkpoint of a language model; else a one-line error
-    library = RunLibrary(run_dir, Path(args.runs), args.checkpoint)
+    library = RunLibrary(run_dir, Path(args.runs), args.checkpoint, args.lm, args.data)
     serve(library, args.host, args.port, open_browser=not args.no_browser)
     print("qkv explore: stopped")
     return 0
+
+
+def _check_saelens(run_dir: Path | None, lm: str | None, data: str | None) -> None:
+    """A SAELens directory needs --lm; --lm and --data go with one, and are checked before the server starts."""
+    from qkv.errors import QkvError
+    from qkv.tasks.sae_open import is_saelens, saelens_run
+
+    if data is not None and lm is None:
+        raise QkvError("--data goes with --lm: give the model the SAELens SAE reads")
+    if run_dir is None or not is_saelens(run_dir):
+        if lm is not None and run_dir is not None:
+            raise QkvError(f"{run_dir} is no SAELens directory (no cfg.json): --lm and --data go with one; drop them")
+        return
+    if lm is None:
+        raise QkvError(f"{run_dir} is a SAELens SAE: give the model it reads with --lm MODEL (and --data DIR for its "
+                       "top contexts)")  # fmt: skip
+    saelens_run(run_dir, lm, data)  # its files read and checked: a one-line error now, not a 4xx later

@@ -179,7 +179,7 @@ def _contexts(view: Any, args: argparse.Namespace, latent: int) -> list[Any]:
     if view.data is None:
         raise QkvError("top contexts come from a data directory: give --data DIR (prepared with the model's tokenizer)")
     windows = eval_windows(view.data.split("val"), view.block_size, args.windows, 16)
-    return top_contexts(view.base.model, view.sae, view.hook, windows, latent, args.top)
+    return top_contexts(view.base.model, view.sae, view.hook, windows, latent, args.top, filters=view.filters)
 
 
 def _latent(view: Any, args: argparse.Namespace, latent: int) -> None:

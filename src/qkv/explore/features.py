@@ -24,7 +24,7 @@ from qkv.explore.inside import checked_ids, device_of, heavy_slot, pieces
 from qkv.explore.jobs import Jobs, Steps
 from qkv.explore.library import RequestError
 from qkv.sae.activations import read_activation
-from qkv.sae.features import Context, check_latent, promoted_tokens, searched_contexts, steered, top_latents
+from qkv.sae.features import Context, check_latent, encoded, promoted_tokens, searched_contexts, steered, top_latents
 from qkv.sae.measures import eval_windows
 from qkv.tasks.sae_open import SAEView, view_of
 
@@ -94,9 +94,9 @@ def token_view(run: Any, text: str, top: int = TOKEN_TOP, hook: str | None = Non
     ids = _ids(opened, text, "text")
     model = opened.base.model
     tensor = torch.tensor([ids], device=device_of(model))
-    with heavy_slot(), torch.no_grad():
+    with heavy_slot():
         acts = read_activation(model, opened.hook, tensor)  # (1, T, d): read once, for the latents and the filters
-        rows = top_latents(opened.sae.encode(acts.to(device_of(opened.sae)).float())[0], top)
+        rows = top_latents(encoded(opened.sae, acts)[0], top)
         kept = opened.filters.mask(tensor, acts)[0]
     tokenizer = opened.base.tokenizer
     return {"hook": opened.hook, "ids": ids, "tokens": [tokenizer.decode([i]) for i in ids],
@@ -123,7 +123,8 @@ def dashboard(run: Any, latent: int, top: int = DASHBOARD_TOP, windows: int = DA
 
     def steps() -> Steps:
         windows = eval_windows(split, opened.block_size, searched, WINDOW_BATCH)
-        for contexts in searched_contexts(opened.base.model, opened.sae, opened.hook, windows, latent, top):
+        for contexts in searched_contexts(opened.base.model, opened.sae, opened.hook, windows, latent, top,
+                                          filters=opened.filters):  # fmt: skip
             ids = [i for c in contexts for i in c.tokens]
             yield {"contexts": [_context(c) for c in contexts], "pieces": pieces(tokenizer, ids)}
 

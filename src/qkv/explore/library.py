@@ -1,4 +1,5 @@
-"""The runs the explorer may open: RUN_DIR and the run directories under runs/, nothing outside them.
+"""The runs the explorer may open: RUN_DIR and the run directories under runs/, nothing outside them. With --lm (and
+--data), SAELens directories among them open too, read on that model.
 
 Creating a library reads nothing: the server listens before torch is imported, and the first request that
 needs a run reads its config.json (in any layout qkv.io.run_dir migrates) and, later, its weights.
@@ -39,7 +40,9 @@ class RunInfo:
 class RunLibrary:
     """The run directories the explorer serves (RUN_DIR and those under runs/), loaded once each, on first use."""
 
-    def __init__(self, run_dir: Path | None, search: Path, checkpoint: str = "best") -> None:
+    def __init__(self, run_dir: Path | None, search: Path, checkpoint: str = "best", lm: str | None = None,
+                 data: str | None = None) -> None:  # fmt: skip
+        self.lm, self.data = lm, data  # the model and data SAELens directories are read with (their format has none)
         self.base = Path.cwd().resolve()
         self.search = search.resolve()
         self.roots = [self.search] + ([run_dir.resolve()] if run_dir is not None else [])
@@ -62,7 +65,10 @@ class RunLibrary:
         """The run (or language-model checkpoint) at `path`, or None when it is none of a task with text (read
         once)."""
         from qkv.tasks.checkpoint import model_task  # imports torch: not before the server listens
+        from qkv.tasks.sae_open import is_saelens
 
+        if path not in self._infos and self.lm is not None and is_saelens(path):
+            self._infos[path] = RunInfo(self._name(path), SAE_TASK, path)
         if path not in self._infos:
             try:
                 task: str | None = model_task(path)
@@ -97,8 +103,6 @@ class RunLibrary:
 
     def load(self, name: str, tasks: tuple[str, ...] = (*TASKS, SAE_TASK)) -> Any:
         """The loaded run (qkv.tasks.load) a request names, of one of `tasks`; each run is read from disk once."""
-        from qkv.tasks import load
-
         info = self.resolve(name)
         if info.task not in tasks:
             wanted = "an SAE run" if tasks == (SAE_TASK,) else "a run of a model that reads text"
@@ -106,13 +110,23 @@ class RunLibrary:
         with self._lock:
             if info.path not in self._loaded:
                 try:
-                    self._loaded[info.path] = load(info.path, self.checkpoint)
+                    self._loaded[info.path] = self._read(info.path)
                 except QkvError:
                     raise
                 except Exception as err:  # a damaged run: its files, not the request, are at fault
                     raise RequestError(422, f"cannot read the run {name!r}: its files are damaged or incomplete; "
                                             "open another run") from err  # fmt: skip
             return self._loaded[info.path]
+
+
+    def _read(self, path: Path) -> Any:
+        """A run from disk: a qkv run (qkv.tasks.load), or a SAELens directory with the model and data given."""
+        from qkv.tasks import load
+        from qkv.tasks.sae_open import is_saelens, saelens_run
+
+        if self.lm is not None and is_saelens(path):
+            return saelens_run(path, self.lm, self.data)
+        return load(path, self.checkpoint)
 
 
 def _run_dirs(root: Path, depth: int) -> list[Path]:
@@ -122,7 +136,7 @@ def _run_dirs(root: Path, depth: int) -> list[Path]:
         return found
     for directory, subdirs, files in os.walk(root):
         here = Path(directory)
-        if "config.json" in files and here != root:
+        if ("config.json" in files or "cfg.json" in files) and here != root:  # a qkv run, or a SAELens SAE
             found.append(here)
         if len(here.relative_to(root).parts) >= depth:
             subdirs.clear()

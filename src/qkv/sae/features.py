@@ -25,7 +25,7 @@ from qkv.errors import QkvError
 from qkv.generation import Sampling, stream
 from qkv.interpret.hooks import hooked
 from qkv.interpret.lens import readout_of
-from qkv.sae.activations import read_activation
+from qkv.sae.activations import Filters, read_activation
 from qkv.sae.model import SparseAutoencoder
 
 MAX_ALPHA = 1e4  # steering strengths beyond this only print one token over and over
@@ -59,9 +59,13 @@ def check_latent(sae: SparseAutoencoder, latent: int) -> int:
 
 def latents_of(lm: nn.Module, sae: SparseAutoencoder, hook: str, ids: Tensor) -> Tensor:
     """(B, T, d_sae) the latents of each position of ids (B, T)."""
-    acts = read_activation(lm, hook, ids.to(next(lm.parameters()).device))
+    return encoded(sae, read_activation(lm, hook, ids.to(next(lm.parameters()).device)))
+
+
+def encoded(sae: SparseAutoencoder, stream: Tensor) -> Tensor:
+    """(…, d_sae) the latents of activations (…, d) read at the SAE's hook, on the SAE's device."""
     with torch.no_grad():
-        return sae.encode(acts.to(next(sae.parameters()).device).float())
+        return sae.encode(stream.to(next(sae.parameters()).device).float())
 
 
 def token_latents(lm: nn.Module, sae: SparseAutoencoder, hook: str, ids: Tensor,
@@ -88,22 +92,30 @@ class Context:
 
 
 def top_contexts(lm: nn.Module, sae: SparseAutoencoder, hook: str, windows: Iterable[tuple[Tensor, Tensor]],
-                 latent: int, top: int = 10, before: int = 12, after: int = 3) -> list[Context]:  # fmt: skip
+                 latent: int, top: int = 10, before: int = 12, after: int = 3,
+                 filters: Filters | None = None) -> list[Context]:  # fmt: skip
     """The latent's `top` highest activations over the windows (B, T) (its dashboard), each with `before` tokens
-    before it and `after` after it; a position counts once, its window's other positions may appear again."""
-    last = deque(searched_contexts(lm, sae, hook, windows, latent, top, before, after), maxlen=1)  # the final step
+    before it and `after` after it; a position counts once, its window's other positions may appear again.
+    filters: the positions the SAE's training left out, which then count as 0 (else a window's first position, the
+    attention sink with its outsized activations, tops many latents' dashboards)."""
+    searched = searched_contexts(lm, sae, hook, windows, latent, top, before, after, filters)
+    last = deque(searched, maxlen=1)  # the final step
     return last[0] if last else []
 
 
 def searched_contexts(lm: nn.Module, sae: SparseAutoencoder, hook: str, windows: Iterable[tuple[Tensor, Tensor]],
-                      latent: int, top: int = 10, before: int = 12,
-                      after: int = 3) -> Iterator[list[Context]]:  # fmt: skip
+                      latent: int, top: int = 10, before: int = 12, after: int = 3,
+                      filters: Filters | None = None) -> Iterator[list[Context]]:  # fmt: skip
     """top_contexts one batch of windows at a time: after each batch, the top contexts found so far (the explorer
     shows a dashboard filling as the search goes)."""
     check_latent(sae, latent)
     found: list[tuple[float, Tensor, Tensor, int]] = []  # (value, window ids, window activations, position)
     for ids, _ in windows:
-        acts = latents_of(lm, sae, hook, ids)[..., latent].cpu().clone()  # (B, T), not a view of all the latents
+        stream = read_activation(lm, hook, ids.to(next(lm.parameters()).device))  # (B, T, d)
+        acts = encoded(sae, stream)[..., latent]  # (B, T)
+        if filters is not None:
+            acts = acts * filters.mask(ids, stream).to(acts.device)
+        acts = acts.cpu().clone()  # not a view of all the latents
         values, flat = acts.flatten().topk(min(top, acts.numel()))
         for value, index in zip(values.tolist(), flat.tolist(), strict=True):
             if value > 0:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 
@@ -56,33 +57,66 @@ def open_sae(path: str | Path, lm: str | None = None, data: str | None = None, c
              device: str | torch.device = "cpu") -> SAEView:  # fmt: skip
     """A qkv SAE run (its model and data as recorded, the model hash-checked), or a SAELens directory read with the
     model `lm` (its hook_name must be one of the model's hooks) and optionally a data directory."""
-    from qkv.sae import load_saelens
     from qkv.tasks import load
 
     where = Path(path)
-    if (where / "cfg.json").is_file():
+    if is_saelens(where):
         if lm is None:
             raise QkvError(f"{where} is a SAELens SAE: give the model it reads with --lm MODEL")
-        sae, metadata = load_saelens(where)
-        cfg = dataclasses.replace(recipe(), lm=lm, source=data, hook=str(metadata.get("hook_name") or "") or None)
-        if cfg.hook is None:
-            raise QkvError(f"{where / 'cfg.json'} names no hook_name: qkv cannot tell where the SAE reads")
-        if data is not None:
-            base, hook, opened = load_subject(cfg, None)
-        else:
-            (base, hook), opened = load_hooked(lm, cfg.hook, role="--lm"), None
-        if sae.cfg.d_model != width_of(base, hook):
-            raise QkvError(f"{where} reads activations of width {sae.cfg.d_model}, and {hook} of {lm} has width "
-                           f"{width_of(base, hook)}: the SAE belongs to another model")  # fmt: skip
-        base.model.to(device)
-        return SAEView(sae.to(device), base, hook, opened, min(128, base.model.cfg.context_length))
+        return view_of(saelens_run(where, lm, data), device)
     if lm is not None or data is not None:
         raise QkvError(f"{where} is an SAE run, which records its model and data: drop --lm and --data")
     return view_of(load(where, checkpoint, "cpu", expect="sae"), device)
 
 
-def view_of(run: SAERun, device: str | torch.device = "cpu") -> SAEView:
+def is_saelens(path: Path) -> bool:
+    """Whether `path` holds an SAE in SAELens's format (cfg.json; its weights are checked when it is read)."""
+    return (path / "cfg.json").is_file()
+
+
+@dataclass
+class SAELensRun:
+    """A SAELens directory opened as a run is (the explorer opens it so): its SAE, its metadata, and the model and
+    data given with it, since SAELens's format records neither."""
+
+    directory: Path
+    model: SparseAutoencoder
+    metadata: dict[str, Any]
+    lm: str
+    data: str | None
+    task: ClassVar[str] = "sae"
+    checkpoint: ClassVar[str] = "saelens"
+
+
+def saelens_run(path: Path, lm: str, data: str | None = None) -> SAELensRun:
+    """The SAELens SAE at `path`, to be read on the model `lm` (and the data directory `data`)."""
+    from qkv.sae import load_saelens
+
+    sae, metadata = load_saelens(path)
+    return SAELensRun(path, sae, metadata, lm, data)
+
+
+def _saelens_view(run: SAELensRun, device: str | torch.device) -> SAEView:
+    """A SAELens run's view: the model given and the hook its cfg.json names, checked to fit the SAE."""
+    hook = str(run.metadata.get("hook_name") or "") or None
+    if hook is None:
+        raise QkvError(f"{run.directory / 'cfg.json'} names no hook_name: qkv cannot tell where the SAE reads")
+    cfg = dataclasses.replace(recipe(), lm=run.lm, source=run.data, hook=hook)
+    if run.data is not None:
+        base, hook, opened = load_subject(cfg, None)
+    else:
+        (base, hook), opened = load_hooked(run.lm, hook, role="--lm"), None
+    if run.model.cfg.d_model != width_of(base, hook):
+        raise QkvError(f"{run.directory} reads activations of width {run.model.cfg.d_model}, and {hook} of {run.lm} "
+                       f"has width {width_of(base, hook)}: the SAE belongs to another model")  # fmt: skip
+    base.model.to(device)
+    return SAEView(run.model.to(device), base, hook, opened, min(128, base.model.cfg.context_length))
+
+
+def view_of(run: SAERun | SAELensRun, device: str | torch.device = "cpu") -> SAEView:
     """A loaded SAE run read for its features: its folded SAE, and its model (hash-checked), hook and data."""
+    if isinstance(run, SAELensRun):
+        return _saelens_view(run, device)
     base, hook, opened = run.subject()
     base.model.to(device)
     norm = run.model.cfg.d_model**0.5 / float(run.model.input_scale)  # the scale took the mean norm to √d
