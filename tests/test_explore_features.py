@@ -154,7 +154,9 @@ def test_a_saelens_directory_opens_with_the_model_given(capsys: pytest.CaptureFi
         assert main(["interpret", "sae", "export", str(root / "runs" / "sae"), str(root / "saelens")]) == 0
     for argv, message in [(["saelens"], "is a SAELens SAE: give the model it reads with --lm MODEL"),
                           (["runs/sae", "--lm", "runs/lm"], "is no SAELens directory (no cfg.json)"),
-                          (["--data", "data"], "--data goes with --lm")]:  # fmt: skip
+                          (["--data", "data"], "--data goes with --lm"),
+                          (["saelens", "--lm", "runs/none"], "runs/none"),
+                          (["saelens", "--lm", "runs/lm", "--data", "runs/lm"], "runs/lm")]:  # fmt: skip
         code, _, err = run_main(capsys, "explore", "--no-browser", *[str(root / a) if "/" in a or a in ("saelens",
                                 "data") else a for a in argv])  # fmt: skip
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err

@@ -142,7 +142,7 @@ def test_eval_reports_the_measures_of_the_python_api(capsys: pytest.CaptureFixtu
 
 
 def test_the_export_loads_as_the_runs_folded_sae(capsys: pytest.CaptureFixture[str], sae_run: Path,
-                                                 tmp_path: Path) -> None:  # fmt: skip
+                                                 world: dict[str, Path], tmp_path: Path) -> None:  # fmt: skip
     """`qkv interpret sae export` writes SAELens's format with the hook and model in its metadata; read back, it
     computes what the run's SAE computes. An existing directory is refused."""
     assert run_main(capsys, "interpret", "sae", "export", str(sae_run), str(tmp_path / "sl"))[0] == 0
@@ -153,6 +153,13 @@ def test_the_export_loads_as_the_runs_folded_sae(capsys: pytest.CaptureFixture[s
     assert metadata["hook_name"] == HOOK and len(metadata["qkv"]["model"]["sha256"]) == 64
     code, _, err = run_main(capsys, "interpret", "sae", "export", str(sae_run), str(tmp_path / "sl"))
     assert code == 2 and "already exists" in err
+    lm, data = str(world["base"]), str(world["data"])
+    assert open_sae(tmp_path / "sl", lm, data).filters == open_sae(sae_run).filters  # the filters it was trained with
+    cfg = json.loads((tmp_path / "sl" / "cfg.json").read_text())
+    cfg["metadata"]["qkv"]["filters"] = {"drop_first": False, "max_norm_ratio": None}
+    (tmp_path / "sl" / "cfg.json").write_text(json.dumps(cfg))
+    filters = open_sae(tmp_path / "sl", lm, data).filters
+    assert (filters.drop_first, filters.max_norm_ratio) == (False, None)
 
 
 def test_features_on_the_command_line_equal_the_api(capsys: pytest.CaptureFixture[str], sae_run: Path) -> None:
@@ -205,6 +212,12 @@ def test_dashboards_leave_out_the_positions_training_left_out(sae_run: Path) -> 
     assert plain[0].at == 0  # the sink's outsized activation wins when nothing is left out
     kept = top_contexts(view.base.model, view.sae, view.hook, windows, latent, 4, filters=view.filters)
     assert kept and all(c.at > 0 for c in kept) and kept[0].value < plain[0].value
+
+
+def test_help_offers_only_the_saes_own_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_main(capsys, "interpret", "sae", "train", "--help")
+    assert code == 0 and "--model KEY=VALUE" in out and "dead_window" in out and "--buffer-tokens" in out
+    assert not any(flag in out for flag in ("--n-layers", "--d-model", "--n-heads", "--dropout", "--nproc")), out
 
 
 def test_data_of_another_tokenizer_and_bad_views_are_refused(

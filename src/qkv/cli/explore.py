@@ -50,17 +50,24 @@ def cmd_explore(args: argparse.Namespace) -> int:
 
 
 def _check_saelens(run_dir: Path | None, lm: str | None, data: str | None) -> None:
-    """A SAELens directory needs --lm; --lm and --data go with one, and are checked before the server starts."""
+    """A SAELens directory needs --lm; --lm and --data go with one. What can be checked without loading the model
+    is checked before the server starts (the hook and width are checked when the tab first opens the SAE)."""
+    from qkv.data.tokens import open_data
     from qkv.errors import QkvError
+    from qkv.finetune.base import base_config
     from qkv.tasks.sae_open import is_saelens, saelens_run
 
     if data is not None and lm is None:
         raise QkvError("--data goes with --lm: give the model the SAELens SAE reads")
-    if run_dir is None or not is_saelens(run_dir):
-        if lm is not None and run_dir is not None:
-            raise QkvError(f"{run_dir} is no SAELens directory (no cfg.json): --lm and --data go with one; drop them")
-        return
-    if lm is None:
+    saelens = run_dir is not None and is_saelens(run_dir)
+    if run_dir is not None and lm is not None and not saelens:
+        raise QkvError(f"{run_dir} is no SAELens directory (no cfg.json): --lm and --data go with one; drop them")
+    if saelens and lm is None:
         raise QkvError(f"{run_dir} is a SAELens SAE: give the model it reads with --lm MODEL (and --data DIR for its "
                        "top contexts)")  # fmt: skip
-    saelens_run(run_dir, lm, data)  # its files read and checked: a one-line error now, not a 4xx later
+    if lm is not None:
+        base_config(Path(lm), "--lm")  # a model qkv reads, else one line now
+    if data is not None:
+        open_data(data)
+    if run_dir is not None and saelens:
+        saelens_run(run_dir, str(lm))  # its cfg.json and weights read and checked

@@ -96,17 +96,15 @@ def build_parser(task: str, cls: type[RunConfig[Any]]) -> argparse.ArgumentParse
             shown = ",".join(default) if isinstance(default, tuple) else "none" if default is None else default
             p.add_argument(option, dest=flag, type=kind, help=f"{text} (default {shown})", **_choices(hint))
     model = cls.model_class
-    if not model.stacks:  # a model without layers (an SAE): its own fields only, and no layer shortcuts
-        fields = ", ".join(sorted(f.name for f in dataclasses.fields(model)))
-        p.add_argument("--model", action="append", type=key_value, metavar="KEY=VALUE",
-                       help=f"a setting of the model ({model.__name__}): one of {fields} (repeatable)")
+    fields = ", ".join(sorted(f.name for f in dataclasses.fields(model)))
+    which = (f"one of {fields}" if not model.stacks else "a path such as decoder.block.attention.n_kv_heads=2, a "
+             "block's or stack's setting for every block (attention.n_kv_heads=2, n_layers=4), or attention=mla to "
+             "change a part's kind")  # fmt: skip
+    p.add_argument("--model", action="append", type=key_value, metavar="KEY=VALUE",
+                   help=f"a setting of the model ({model.__name__}): {which} (repeatable)")
+    if not model.stacks:  # a model without layers (an SAE): no layer shortcuts, and one process
         p.add_argument("--nproc", type=int, help=argparse.SUPPRESS)  # refused with a reason in main()
         return p
-    p.add_argument("--model", action="append", type=key_value, metavar="KEY=VALUE",
-                   help=f"a setting of the model ({model.__name__}): a path such as "
-                        "decoder.block.attention.n_kv_heads=2, a block's or stack's setting for every block "
-                        "(attention.n_kv_heads=2, n_layers=4), or attention=mla to change a part's kind "
-                        "(repeatable)")  # fmt: skip
     sides = " (of the encoder and of the decoder)" if len(model.stacks) > 1 else ""
     for name, text in SHORTCUTS:
         p.add_argument(f"--{name.replace('_', '-')}", dest=f"shortcut_{name}", type=int if name != "dropout" else float,

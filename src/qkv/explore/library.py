@@ -118,7 +118,6 @@ class RunLibrary:
                                             "open another run") from err  # fmt: skip
             return self._loaded[info.path]
 
-
     def _read(self, path: Path) -> Any:
         """A run from disk: a qkv run (qkv.tasks.load), or a SAELens directory with the model and data given."""
         from qkv.tasks import load

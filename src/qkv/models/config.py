@@ -124,8 +124,8 @@ class ModelConfig(Config):
         names = {f.name for f in dataclasses.fields(self)}
         if "." in key or key in names or key in _STACK_FIELDS or (key in _BLOCK_FIELDS and key not in _FLAT_MEANING):
             return {key: value}
-        if not self.stacks:
-            raise QkvError(f"unknown model setting {key!r}; the model's fields: {', '.join(sorted(names))}")
+        if not self.stacks:  # no flat keys of layered models: expand() refuses it, naming the model's fields
+            return {key: value}
         if key == "embedding_norm":  # a norm over the embeddings like the blocks' norms, or none
             return {"embedding.norm": self.blocks()[0].norm.to_dict() if value else None}
         translated = config_v1.setting(key, value)
@@ -140,18 +140,15 @@ class ModelConfig(Config):
     def expand(self, key: str) -> list[str]:
         """The full paths of a path that may start at a stack's or a block's field."""
         head = key.split(".", 1)[0]
-        if head in {f.name for f in dataclasses.fields(self)}:
+        names = sorted(f.name for f in dataclasses.fields(self))
+        if head in names:
             return [key]
-        if not self.stacks:  # no stack or block fields to reach: refused, not silently set nowhere
-            names = ", ".join(sorted(f.name for f in dataclasses.fields(self)))
-            raise QkvError(f"unknown model setting {key!r}; the model's fields: {names}")
-        if head in _STACK_FIELDS:
+        if head in _STACK_FIELDS and self.stacks:  # a model without stacks (an SAE) refuses it, not sets it nowhere
             return [f"{name}.{key}" for name in self.stacks]
-        if head in _BLOCK_FIELDS:
+        if head in _BLOCK_FIELDS and self.stacks:
             return [f"{name}.{where}.{key}" for name in self.stacks
                     for where in ("block", *(f"layers.{i}" for i in range(len(self.stack(name).layers))))]  # fmt: skip
-        names = ", ".join(f.name for f in dataclasses.fields(self))
-        raise QkvError(f"unknown model setting {key!r}; the model's fields: {names}")
+        raise QkvError(f"unknown model setting {key!r}; the model's fields: {', '.join(names)}")
 
     @classmethod
     def from_dict(cls: type[M], data: Mapping[str, Any], path: str = "") -> M:

@@ -101,7 +101,9 @@ def _saelens_view(run: SAELensRun, device: str | torch.device) -> SAEView:
     hook = str(run.metadata.get("hook_name") or "") or None
     if hook is None:
         raise QkvError(f"{run.directory / 'cfg.json'} names no hook_name: qkv cannot tell where the SAE reads")
-    cfg = dataclasses.replace(recipe(), lm=run.lm, source=run.data, hook=hook)
+    saved = (run.metadata.get("qkv") or {}).get("filters") or {}  # a qkv export's own; else qkv's defaults
+    cfg = dataclasses.replace(recipe(), lm=run.lm, source=run.data, hook=hook, **{k: v for k, v in saved.items()
+                              if k in ("drop_first", "max_norm_ratio")})  # fmt: skip
     if run.data is not None:
         base, hook, opened = load_subject(cfg, None)
     else:
@@ -110,7 +112,8 @@ def _saelens_view(run: SAELensRun, device: str | torch.device) -> SAEView:
         raise QkvError(f"{run.directory} reads activations of width {run.model.cfg.d_model}, and {hook} of {run.lm} "
                        f"has width {width_of(base, hook)}: the SAE belongs to another model")  # fmt: skip
     base.model.to(device)
-    return SAEView(run.model.to(device), base, hook, opened, min(128, base.model.cfg.context_length))
+    return SAEView(run.model.to(device), base, hook, opened, min(128, base.model.cfg.context_length),
+                   filters=filters_of(cfg, base))  # fmt: skip
 
 
 def view_of(run: SAERun | SAELensRun, device: str | torch.device = "cpu") -> SAEView:
