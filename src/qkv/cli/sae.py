@@ -203,18 +203,15 @@ def _random(view: Any, args: argparse.Namespace) -> int:
     """N latents drawn at random (seeded) among those that fired on the held-out windows, each as --latent."""
     import torch
 
-    from qkv.sae.activations import read_activation
-    from qkv.sae.features import encoded
+    from qkv.sae.features import kept_latents
     from qkv.sae.measures import eval_windows
 
     if view.data is None:
         raise QkvError("--random draws among latents that fire on held-out text: give --data DIR")
     fired = torch.zeros(view.sae.cfg.latents, dtype=torch.bool)
     for ids, _ in eval_windows(view.data.split("val"), view.block_size, args.windows, 16):
-        stream = read_activation(view.base.model, view.hook, ids.to(next(view.base.model.parameters()).device))
-        latents = encoded(view.sae, stream)  # (B, T, d_sae), at the positions the dashboards search only:
-        kept = view.filters.mask(ids, stream).to(latents.device)  # a latent drawn has contexts to show
-        fired |= (latents[kept] > 0).any(0).cpu()
+        latents, kept = kept_latents(view.base.model, view.sae, view.hook, ids, view.filters)
+        fired |= (latents[kept] > 0).any(0).cpu()  # where the dashboards search: a latent drawn has contexts to show
     alive = fired.nonzero().flatten()
     chosen = alive[torch.randperm(len(alive), generator=torch.Generator().manual_seed(args.seed))[: args.random]]
     print(f"{len(chosen)} of the {len(alive)} latents that fired, drawn with seed {args.seed}: {chosen.tolist()}\n")

@@ -23,8 +23,15 @@ from qkv.errors import QkvError
 from qkv.explore.inside import checked_ids, device_of, heavy_slot, pieces
 from qkv.explore.jobs import Jobs, Steps
 from qkv.explore.library import RequestError
-from qkv.sae.activations import read_activation
-from qkv.sae.features import Context, check_latent, encoded, promoted_tokens, searched_contexts, steered, top_latents
+from qkv.sae.features import (
+    Context,
+    check_latent,
+    kept_latents,
+    promoted_tokens,
+    searched_contexts,
+    steered,
+    top_latents,
+)
 from qkv.sae.measures import eval_windows
 from qkv.tasks.sae_open import SAEView, view_of
 
@@ -95,13 +102,12 @@ def token_view(run: Any, text: str, top: int = TOKEN_TOP, hook: str | None = Non
     model = opened.base.model
     tensor = torch.tensor([ids], device=device_of(model))
     with heavy_slot():
-        acts = read_activation(model, opened.hook, tensor)  # (1, T, d): read once, for the latents and the filters
-        rows = top_latents(encoded(opened.sae, acts)[0], top)
-        kept = opened.filters.mask(tensor, acts)[0]
+        latents, kept = kept_latents(model, opened.sae, opened.hook, tensor, opened.filters)  # (1, T, d_sae), (1, T)
+        rows = top_latents(latents[0], top)
     tokenizer = opened.base.tokenizer
     return {"hook": opened.hook, "ids": ids, "tokens": [tokenizer.decode([i]) for i in ids],
             "latents": [[[latent, value] for latent, value in row] for row in rows],
-            "trained": kept.tolist()}  # fmt: skip
+            "trained": kept[0].tolist()}  # fmt: skip
 
 
 def _context(context: Context) -> dict[str, Any]:

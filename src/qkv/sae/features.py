@@ -28,6 +28,7 @@ from qkv.interpret.lens import readout_of
 from qkv.sae.activations import Filters, read_activation
 from qkv.sae.model import SparseAutoencoder
 
+KEEP_ALL = Filters(drop_first=False, bos_id=None, max_norm_ratio=None)
 MAX_ALPHA = 1e4  # steering strengths beyond this only print one token over and over
 
 
@@ -60,6 +61,15 @@ def check_latent(sae: SparseAutoencoder, latent: int) -> int:
 def latents_of(lm: nn.Module, sae: SparseAutoencoder, hook: str, ids: Tensor) -> Tensor:
     """(B, T, d_sae) the latents of each position of ids (B, T)."""
     return encoded(sae, read_activation(lm, hook, ids.to(next(lm.parameters()).device)))
+
+
+def kept_latents(lm: nn.Module, sae: SparseAutoencoder, hook: str, ids: Tensor,
+                 filters: Filters | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(B, T, d_sae) the latents of ids (B, T), and (B, T) bool on their device: the positions `filters` keep (all,
+    without filters), from one read of the activation."""
+    stream = read_activation(lm, hook, ids.to(next(lm.parameters()).device))  # (B, T, d)
+    latents = encoded(sae, stream)
+    return latents, (filters or KEEP_ALL).mask(ids, stream).to(latents.device)
 
 
 def encoded(sae: SparseAutoencoder, stream: Tensor) -> Tensor:
@@ -111,11 +121,8 @@ def searched_contexts(lm: nn.Module, sae: SparseAutoencoder, hook: str, windows:
     check_latent(sae, latent)
     found: list[tuple[float, Tensor, Tensor, int]] = []  # (value, window ids, window activations, position)
     for ids, _ in windows:
-        stream = read_activation(lm, hook, ids.to(next(lm.parameters()).device))  # (B, T, d)
-        acts = encoded(sae, stream)[..., latent]  # (B, T)
-        if filters is not None:
-            acts = acts * filters.mask(ids, stream).to(acts.device)
-        acts = acts.cpu().clone()  # not a view of all the latents
+        latents, kept = kept_latents(lm, sae, hook, ids, filters)
+        acts = (latents[..., latent] * kept).cpu()  # (B, T), a copy: not a view of all the latents
         values, flat = acts.flatten().topk(min(top, acts.numel()))
         for value, index in zip(values.tolist(), flat.tolist(), strict=True):
             if value > 0:
