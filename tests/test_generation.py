@@ -10,6 +10,7 @@ import torch
 from helpers import model_cfg
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import Tensor
 
 from qkv import DecoderLM, DecoderLMConfig, QkvError
 from qkv.attention import LayerCache, cache_length
@@ -260,3 +261,43 @@ def test_the_compiled_decode_step_gives_the_eager_tokens() -> None:
     assert torch.equal(again, eager) and torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
     with pytest.raises(QkvError, match="a compiled decode step needs the KV cache"):
         stream(model, prompt, 2, use_cache=False, compiled=True)
+
+
+@pytest.mark.slow
+def test_a_quantised_models_compiled_step_is_one_graph_with_the_eager_tokens() -> None:
+    """A group-quantised model (its head recomputing its top logits exactly) compiles without graph breaks and
+    decodes the eager tokens; a model changed afterwards (a hook that moves the logits), and another model of another
+    depth, get compiled code of their own (the step skips Dynamo's module guards), not the first model's."""
+    import torch._dynamo
+
+    from qkv.generation import compiled_step
+    from qkv.quantization import GroupLinear, quantize_int4
+
+    def quantised(n_layers: int) -> DecoderLM:
+        torch.manual_seed(7)
+        cfg = model_cfg(DecoderLMConfig, vocab_size=64, d_model=64, n_heads=4, n_kv_heads=2, n_layers=n_layers,
+                        max_positions=32, d_ff=128, positions="rotary")  # fmt: skip
+        return quantize_int4(DecoderLM(cfg).eval())
+
+    def both(model: DecoderLM) -> tuple[Tensor, Tensor]:
+        eager = torch.stack(list(stream(model, prompt, 10, Sampling(temperature=0.0))), 1)
+        return eager, torch.stack(list(stream(model, prompt, 10, Sampling(temperature=0.0), compiled=True)), 1)
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = quantised(2)
+    assert isinstance(model.lm_head, GroupLinear) and model.lm_head.exact_top
+    prompt = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(1))
+    eager, compiled = both(model)
+    assert torch.equal(compiled, eager)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # no break at the head's exact top
+    step = compiled_step(model)
+    assert compiled_step(model) is step
+    bias = torch.zeros(64)
+    bias[eager[0, 3]] = -1e4  # the hook forbids the 4th token: the tokens must change from there on
+    model.lm_head.register_forward_hook(lambda _m, _i, out: out + bias)
+    hooked, compiled = both(model)
+    assert compiled_step(model) is not step and torch.equal(compiled, hooked) and not torch.equal(hooked, eager)
+    deeper = quantised(3)  # no reset: its step must not reuse the 2-layer model's code
+    eager, compiled = both(deeper)
+    assert torch.equal(compiled, eager)

@@ -132,10 +132,21 @@ def stream(
 
 class CompiledStep:
     """A model's one-token step (DecoderLM.next_logits) compiled by Inductor, dynamic in the cache's length, so that
-    one compilation serves every step: its hundreds of small ops become a few kernels (docs/speed.md)."""
+    one compilation serves every step: its hundreds of small ops become a few kernels (docs/speed.md).
+
+    Two things keep a step's own overhead small. On the CPU the compiled code calls its kernels from C++ (Inductor's
+    cpp_wrapper) instead of from Python. And Dynamo does not check the model's modules at every call (those checks
+    cost more than the step's own work outside its products): compiled_step compares them once per lookup
+    (_signature) instead, and a changed model gets a step of its own, with compiled code of its own.
+    """
 
     def __init__(self, model: CausalLM) -> None:
-        self.step = torch.compile(model.next_logits, dynamic=True)  # type: ignore[attr-defined]
+        options: dict[str, Any] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        if next(model.parameters()).device.type == "cpu":  # its glue built apart from the kernels, at -O1: minutes less
+            options.update(cpp_wrapper=True, cpp_wrapper_build_separate=True)
+        self.step = torch.compile(model.next_logits, dynamic=True, options=options,  # type: ignore[attr-defined, call-overload]
+                                  isolate_recompiles=True)  # unguarded modules: never another model's code
+        self.signature = _signature(model)
         self.compile_s: float | None = None  # how long the first call took (compiling, or reading Inductor's cache)
 
     def __call__(self, ids: Tensor, cache: list[LayerCache]) -> Tensor:
@@ -148,12 +159,26 @@ class CompiledStep:
         return self.step(ids, cache)
 
 
+def _signature(model: CausalLM) -> tuple[Any, ...]:
+    """What a compiled step depends on among the model's modules: their kinds, plain settings (mode, flags) and
+    hooks, and their tensors' dtypes, shapes, strides and devices."""
+    if not isinstance(model, torch.nn.Module):
+        return ()
+    modules = tuple((name, type(m), tuple(m._forward_hooks), tuple(m._forward_pre_hooks),
+                     tuple(sorted((k, v) for k, v in vars(m).items() if isinstance(v, bool | int | float | str))))
+                    for name, m in model.named_modules())  # fmt: skip
+    named = [*model.named_parameters(), *model.named_buffers()]
+    tensors = tuple((name, t.dtype, t.shape, t.stride(), t.device) for name, t in named)
+    return modules, tensors
+
+
 _COMPILED: weakref.WeakKeyDictionary[Any, CompiledStep] = weakref.WeakKeyDictionary()
 
 
 def compiled_step(model: CausalLM) -> CompiledStep:
-    """The model's compiled one-token step, made once per model (compilation is applied from outside the model)."""
-    if model not in _COMPILED:
+    """The model's compiled one-token step, made once per model and remade when its modules change (compilation is
+    applied from outside the model)."""
+    if model not in _COMPILED or _COMPILED[model].signature != _signature(model):
         _COMPILED[model] = CompiledStep(model)
     return _COMPILED[model]
 

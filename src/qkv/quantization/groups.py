@@ -68,9 +68,9 @@ def _unpack(packed: Tensor, rows: Tensor) -> Tensor:
 
     def codes(start: int, block: int, count: int) -> Tensor:
         r = (rows - start).clamp(0, count - 1)  # rows outside these blocks read a row of theirs, then are dropped
-        blocks = packed[start : start + count].reshape(-1, block * k // 2)[r // block]  # (R, block · K / 2)
-        nibbles = torch.stack([blocks & 0xF, blocks >> 4], dim=-1).flatten(1)  # (R, block · K)
-        return nibbles.gather(1, _slots(k, block).to(rows.device)[r % block])
+        slot = _slots(k, block).to(rows.device)[r % block]  # (R, K): each weight's nibble in its block
+        byte = (start + r // block * block)[:, None] * (k // 2) + slot // 2  # (R, K) into the flat packed bytes
+        return ((packed.reshape(-1)[byte] >> (4 * (slot % 2))) & 0xF).to(torch.uint8)  # even slot: the low nibble
 
     if full == n:
         return codes(0, 64, n)
@@ -158,9 +158,13 @@ class GroupLinear(nn.Module):
         """
         values, index = y.topk(min(EXACT_TOP, y.shape[-1]), dim=-1)  # (M, k): a flat row recomputes k, not all
         near = values >= values[:, :1] - values[:, :1].abs() * 2**-6  # 2**-6: 2 steps of 8 significant bits
-        row, col = near.nonzero(as_tuple=True)[0], index[near]
         # Summed in float64: the rounded float32 result does not depend on how many outputs are recomputed (a sum's
-        # order may), so a row's logits are the same alone and in a batch.
+        # order may), so a row's logits are the same alone and in a batch, and (but for float64's order) in both
+        # branches.
+        if torch.compiler.is_compiling():  # all k, kept where near: a data-dependent count would break the graph
+            exact = (self.rows(index).double() * xb[:, None].double()).sum(dim=-1).float()  # (M, k)
+            return y.scatter(1, index, torch.where(near, exact, values))
+        row, col = near.nonzero(as_tuple=True)[0], index[near]  # eager: only the few near the top
         y[row, col] = (self.rows(col).double() * xb[row].double()).sum(dim=-1).float()
         return y
 
