@@ -9,6 +9,7 @@ between tokens. Servers alternate round by round (--rounds), and the table gives
 
     python benchmarks/serve.py --llama-server /path/to/llama-server
     python benchmarks/serve.py --skip-llama --clients 1 4 16
+    python benchmarks/serve.py --llama-server PATH --compile    # also `qkv serve --compile` (its decode step compiled)
 
 Building llama-server from the llama.cpp sources that llama-cpp-python's sdist carries:
     pip download llama-cpp-python==0.3.36 --no-deps --no-binary :all: && tar xzf llama_cpp_python-0.3.36.tar.gz
@@ -143,23 +144,25 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--port", type=int, default=8311)
+    parser.add_argument("--compile", action="store_true", help="also measure `qkv serve --compile`")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     if not args.skip_llama and not args.llama_server:
         parser.error("give --llama-server PATH, or --skip-llama")
-    engines = ["qkv"] + ([] if args.skip_llama else ["llama.cpp"])
+    engines = ["qkv"] + (["qkv compiled"] if args.compile else []) + ([] if args.skip_llama else ["llama.cpp"])
     runs: dict[tuple[str, int], list[dict[str, float]]] = {}
     for r in range(args.rounds):
         for name in engines if r % 2 == 0 else engines[::-1]:
-            server = (start_qkv(args.model, args.port, args.threads) if name == "qkv" else
-                      start_llama(args.llama_server, args.model, args.port + 1, args.threads))  # fmt: skip
+            extra = ["--compile"] if name == "qkv compiled" else []
+            server = (start_llama(args.llama_server, args.model, args.port + 1, args.threads) if name == "llama.cpp"
+                      else start_qkv(args.model, args.port, args.threads, *extra))  # fmt: skip
             try:
                 asyncio.run(round_of(server.port, prompts(1), 8))  # warm-up
                 for n in args.clients:
                     result = asyncio.run(round_of(server.port, prompts(n), args.tokens))
                     result["rss_mb"] = server.rss_mb()
                     runs.setdefault((name, n), []).append(result)
-                    print(f"round {r + 1} {name:9s} N={n:3d}: {result['tok_s']:7.1f} tok/s ({result['tokens']} "
+                    print(f"round {r + 1} {name:12s} N={n:3d}: {result['tok_s']:7.1f} tok/s ({result['tokens']} "
                           f"tokens), TTFT p50 {result['ttft_p50'] * 1e3:.0f} ms", flush=True)  # fmt: skip
             finally:
                 server.stop()
@@ -173,7 +176,7 @@ def main() -> int:
             m = table[f"{name} N={n}"]
             base = table[f"{name} N={args.clients[0]}"]["tok_s"]
             peer = table.get(f"llama.cpp N={n}")
-            versus = f"{m['tok_s'] / peer['tok_s']:.2f}×" if peer and name == "qkv" else ""
+            versus = f"{m['tok_s'] / peer['tok_s']:.2f}×" if peer and name.startswith("qkv") else ""
             print(f"| {name} | {n} | {m['tok_s']:.1f} | {m['tok_s'] / base:.2f}× | {versus} | "
                   f"{m['ttft_p50'] * 1e3:.0f} / {m['ttft_p95'] * 1e3:.0f} | "
                   f"{m['itl_p50'] * 1e3:.1f} / {m['itl_p95'] * 1e3:.1f} |")  # fmt: skip

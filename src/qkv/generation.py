@@ -149,14 +149,15 @@ class CompiledStep:
         self.signature = _signature(model)
         self.compile_s: float | None = None  # how long the first call took (compiling, or reading Inductor's cache)
 
-    def __call__(self, ids: Tensor, cache: list[LayerCache]) -> Tensor:
-        """Logits (B, V) after reading ids (B, 1) into the cache."""
+    def __call__(self, ids: Tensor, cache: list[LayerCache], padding_mask: Tensor | None = None,
+                 positions: Tensor | None = None) -> Tensor:  # fmt: skip
+        """Logits (B, V) after reading ids (B, 1) into the cache (a slot cache: with its mask and positions)."""
         if self.compile_s is None:
             begin = time.perf_counter()
-            logits = self.step(ids, cache)
+            logits = self.step(ids, cache, padding_mask, positions)
             self.compile_s = time.perf_counter() - begin
             return logits
-        return self.step(ids, cache)
+        return self.step(ids, cache, padding_mask, positions)
 
 
 def _signature(model: CausalLM) -> tuple[Any, ...]:

@@ -53,6 +53,13 @@ def check_length(start: int, length: int, max_len: int) -> None:
         )
 
 
+def check_positions(positions: Tensor, max_len: int) -> None:
+    """Refuse arbitrary positions (B, T) past the table. Not inside a compiled graph, where reading a tensor's value
+    would split the graph: the engine's slots, which compile their step, never hold more than the model's context."""
+    if positions.numel() and not torch.compiler.is_compiling():
+        check_length(int(positions.max()), 1, max_len)
+
+
 class SinusoidalPositionalEncoding(nn.Module):
     """Adds nothing trainable: returns rows of the fixed sinusoidal table, computed once."""
 
@@ -75,7 +82,7 @@ class SinusoidalPositionalEncoding(nn.Module):
 
     def at(self, positions: Tensor) -> Tensor:
         """(B, T, d_model) encodings of arbitrary positions (B, T)."""
-        check_length(int(positions.max()), 1, self.max_len)
+        check_positions(positions, self.max_len)
         return self.table[positions]
 
 
@@ -95,7 +102,7 @@ class LearnedPositionalEmbedding(nn.Module):
 
     def at(self, positions: Tensor) -> Tensor:
         """(B, T, d_model) embeddings of arbitrary positions (B, T)."""
-        check_length(int(positions.max()), 1, self.max_len)
+        check_positions(positions, self.max_len)
         return self.weight[positions]
 
 
@@ -141,7 +148,7 @@ class RotaryEmbedding(nn.Module):
 
     def at(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """(cos, sin), each (B, 1, T, head_dim), for arbitrary positions (B, T): they broadcast over heads."""
-        check_length(int(positions.max()), 1, self.max_len)
+        check_positions(positions, self.max_len)
         return self.cos_table[positions][:, None], self.sin_table[positions][:, None]
 
 

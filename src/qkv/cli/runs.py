@@ -224,7 +224,7 @@ def compile_option(p: argparse.ArgumentParser) -> None:
     """--compile, for the commands that decode."""
     p.add_argument("--compile", action="store_true",
                    help="compile the one-token decode step (Inductor): faster tokens, after a first run that "
-                        "compiles for a few minutes on 2 CPU cores (later runs read Inductor's cache)")  # fmt: skip
+                        "compiles for a minute or two on 2 CPU cores (later runs read Inductor's cache)")  # fmt: skip
 
 
 def compile_note(model: Any) -> str:

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from qkv.cli.common import MODEL_HELP
-from qkv.cli.runs import native_gguf, run_options
+from qkv.cli.runs import compile_option, native_gguf, run_options
 from qkv.errors import QkvError
 
 
@@ -33,6 +33,7 @@ def register(sub: Any) -> None:
                    help="read every prompt from its start, even where a slot holds its beginning: slower, and replies "
                         "then equal one-at-a-time generation to the bit")  # fmt: skip
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template, for a model without one")
+    compile_option(p)
     run_options(p)
 
 
@@ -80,7 +81,9 @@ def _served(args: argparse.Namespace) -> Any:
     device = resolve_device(args.device)
     lm = load_eval_model(args.run_dir, args.checkpoint, device, "serve serves", native_gguf(args.run_dir, device))
     engine = Engine(lm.model, lm.tokenizer, args.max_batch, args.kv_cache_tokens, args.max_queue, args.timeout,
-                    reuse_prompts=not args.no_prompt_cache)  # fmt: skip
+                    reuse_prompts=not args.no_prompt_cache, compiled=args.compile)  # fmt: skip
+    if args.compile:
+        _compile(engine)
     tokenizer = lm.tokenizer
     source = template_text or template_source(args.run_dir, lm.metadata)
     encode_chat = None
@@ -99,3 +102,17 @@ def _served(args: argparse.Namespace) -> Any:
     eos = end_of_text(tokenizer)
     return Served(engine, lm.name, encode_chat, tokenizer.encode, lambda i: tokenizer.decode([i]), tokenizer.piece,
                   frozenset(stop_ids(tokenizer)) if source is not None else eos, eos, args.api_key)  # fmt: skip
+
+
+def _compile(engine: Any) -> None:
+    """Compile the decode step before serving, for one row and for several (two graphs), so that no request waits
+    for it; its cost goes to the log."""
+    from qkv.engine import Request
+    from qkv.generation import GREEDY
+
+    begin = time.perf_counter()
+    print("qkv serve: compiling the decode step (a minute or two the first time; then read from Inductor's cache)",
+          flush=True)  # fmt: skip
+    for rows in sorted({1, min(2, len(engine.rows))}):
+        engine.generate([Request([0, 0], 2, GREEDY) for _ in range(rows)])
+    print(f"qkv serve: compiled in {time.perf_counter() - begin:.1f} s", flush=True)

@@ -81,7 +81,7 @@ class Engine:
                  kv_cache_tokens: int | None = None, max_queue: int = 256, timeout: float | None = None,
                  reuse_prompts: bool = True, compiled: bool = False) -> None:  # fmt: skip
         """kv_cache_tokens: all slots' tokens (default: max_batch contexts); timeout: seconds a request may take;
-        compiled: one slot's one-token step compiled (qkv.generation.compiled_step); max_batch 1 only."""
+        compiled: the decode step compiled (qkv.generation.compiled_step)."""
         if max_batch < 1:
             raise QkvError(f"--max-batch must be ≥ 1, got {max_batch}")
         context = model.cfg.context_length

@@ -17,7 +17,6 @@ from torch import Tensor
 
 from qkv.attention import LayerCache, crop_cache, settled_length
 from qkv.attention.slots import Slots, slot_cache, unslottable
-from qkv.errors import QkvError
 from qkv.generation import compiled_step
 from qkv.models import DecoderLM
 
@@ -35,18 +34,20 @@ class Rows(Protocol):
     def decode(self, live: list[bool], ids: Tensor) -> Tensor: ...
 
 
-def together(model: DecoderLM, n: int, compiled: bool = False) -> int:
-    """How many of n sequences decode together: n, or 1 for a compiled step or a model whose caches have no slots."""
-    return n if n > 1 and not compiled and unslottable(model.new_cache(1)) is None else 1
+def together(model: DecoderLM, n: int) -> int:
+    """How many of n sequences decode together: n, or 1 for a model whose caches have no slots."""
+    return n if n > 1 and unslottable(model.new_cache(1)) is None else 1
 
 
 class SlotRows:
     """n_rows sequences of up to `capacity` tokens in one slot cache, decoded in one forward pass per step."""
 
-    def __init__(self, model: DecoderLM, n_rows: int, capacity: int, device: torch.device) -> None:
+    def __init__(self, model: DecoderLM, n_rows: int, capacity: int, device: torch.device,
+                 compiled: bool = False) -> None:  # fmt: skip
         self.model, self.capacity = model, capacity
         self.slots = Slots(n_rows, capacity, device)
         self.cache = slot_cache(model.new_cache(1), self.slots)
+        self.step = compiled_step(model) if compiled else model.next_logits  # the decode step; prompts stay eager
 
     def length(self, row: int) -> int:
         """Tokens the row holds."""
@@ -67,11 +68,11 @@ class SlotRows:
     def decode(self, live: list[bool], ids: Tensor) -> Tensor:
         """One token (n, 1) into rows [0, n), live ones only; their next tokens' logits (n, V)."""
         mask = self.slots.decode(live)  # (n, width)
-        hidden = self.model.hidden(ids, self.cache, padding_mask=mask, positions=self.slots.positions())
+        logits = self.step(ids, self.cache, mask, self.slots.positions())  # (n, V)
         for row, on in enumerate(live):
             if on:
                 self.slots.advance(row, 1)
-        return self.model.lm_head(hidden[:, -1])  # (n, V)
+        return logits
 
 
 class OneRow:
@@ -105,12 +106,11 @@ class OneRow:
 
 
 def rows_for(model: DecoderLM, n_rows: int, capacity: int, compiled: bool = False) -> Rows:
-    """OneRow for one sequence (any model; compiled if asked), else SlotRows (plain KV caches only, eager)."""
+    """OneRow for one sequence (any model), else SlotRows (plain KV caches only); the decode step compiled if
+    asked."""
     if n_rows == 1:
         return OneRow(model, capacity, compiled)
-    if compiled:
-        raise QkvError("a compiled step decodes one sequence at a time: use --max-batch 1 with --compile")
-    return SlotRows(model, n_rows, capacity, next(model.parameters()).device)
+    return SlotRows(model, n_rows, capacity, next(model.parameters()).device, compiled)
 
 
 __all__ = ["OneRow", "Rows", "SlotRows", "rows_for", "together"]

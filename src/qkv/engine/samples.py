@@ -31,10 +31,10 @@ def continuations(model: DecoderLM, tokenizer: Tokenizer, prompt: list[int], max
                   n: int = 1, *, compiled: bool = False,
                   show: Callable[[str], None] | None = None) -> list[list[int]]:  # fmt: skip
     """n continuations of `prompt`'s ids, up to end-of-text or max_tokens each; show(text) gets the first one's text
-    as it comes. Decoded together where the model's caches allow (not compiled), else one after another."""
+    as it comes. Decoded together where the model's caches allow, else one after another."""
     if max_tokens == 0:
         return [[] for _ in range(n)]
-    batch = together(model, n, compiled)
+    batch = together(model, n)
     room = min(model.cfg.context_length, len(prompt) + max_tokens)  # a slot never holds more than it may need
     engine = Engine(model, tokenizer, max_batch=batch, kv_cache_tokens=batch * room, max_queue=n, compiled=compiled)
     requests = [Request(prompt, max_tokens, seeded(sampling, k), end_of_text(tokenizer), slide=True) for k in range(n)]

@@ -73,9 +73,10 @@ class DecoderLM(nn.Module):
         """
         return self.lm_head(self.hidden(ids, cache, padding_mask))  # (B, T, vocab)
 
-    def next_logits(self, ids: Tensor, cache: list[LayerCache] | None = None) -> Tensor:
+    def next_logits(self, ids: Tensor, cache: list[LayerCache] | None = None, padding_mask: Tensor | None = None,
+                    positions: Tensor | None = None) -> Tensor:  # fmt: skip
         """Logits (B, vocab) of the last position alone: reading a prompt need not un-embed every position."""
-        return self.lm_head(self.hidden(ids, cache)[:, -1])
+        return self.lm_head(self.hidden(ids, cache, padding_mask, positions)[:, -1])
 
     def hidden(self, ids: Tensor, cache: list[LayerCache] | None = None, padding_mask: Tensor | None = None,
                positions: Tensor | None = None, mask: Tensor | None = None) -> Tensor:  # fmt: skip

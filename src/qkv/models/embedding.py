@@ -23,6 +23,7 @@ from qkv.positional import (
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
     check_length,
+    check_positions,
 )
 
 Rope = tuple[Tensor, Tensor] | None
@@ -75,8 +76,8 @@ class Embeddings(nn.Module):
         t = ids.shape[1]
         if positions is None:
             check_length(start, t, self.max_positions)
-        elif positions.numel():
-            check_length(int(positions.max()), 1, self.max_positions)
+        else:
+            check_positions(positions, self.max_positions)
         x = self.tokens(ids) * self.scale  # (B, T, d_model)
         if self.positions is not None and positions is not None:
             x = x + self.positions.at(positions + self.position_offset)  # (B, T, d_model)
