@@ -61,6 +61,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     counts = served.engine.counts()
     print(f"qkv serve: loaded {served.name} in {time.perf_counter() - begin:.1f} s; {counts['slots']} slots of "
           f"{served.engine.kv.capacity} tokens", flush=True)  # fmt: skip
+    if args.compile:  # before the first request, which would otherwise wait for it
+        print("qkv serve: compiling the decode step (a minute or two the first time; then read from Inductor's "
+              "cache)", flush=True)  # fmt: skip
+        print(f"qkv serve: compiled in {served.engine.warm_up():.1f} s", flush=True)
     run(served, sock)
     print("qkv serve: stopped")
     return 0
@@ -82,8 +86,6 @@ def _served(args: argparse.Namespace) -> Any:
     lm = load_eval_model(args.run_dir, args.checkpoint, device, "serve serves", native_gguf(args.run_dir, device))
     engine = Engine(lm.model, lm.tokenizer, args.max_batch, args.kv_cache_tokens, args.max_queue, args.timeout,
                     reuse_prompts=not args.no_prompt_cache, compiled=args.compile)  # fmt: skip
-    if args.compile:
-        _compile(engine)
     tokenizer = lm.tokenizer
     source = template_text or template_source(args.run_dir, lm.metadata)
     encode_chat = None
@@ -102,17 +104,3 @@ def _served(args: argparse.Namespace) -> Any:
     eos = end_of_text(tokenizer)
     return Served(engine, lm.name, encode_chat, tokenizer.encode, lambda i: tokenizer.decode([i]), tokenizer.piece,
                   frozenset(stop_ids(tokenizer)) if source is not None else eos, eos, args.api_key)  # fmt: skip
-
-
-def _compile(engine: Any) -> None:
-    """Compile the decode step before serving, for one row and for several (two graphs), so that no request waits
-    for it; its cost goes to the log."""
-    from qkv.engine import Request
-    from qkv.generation import GREEDY
-
-    begin = time.perf_counter()
-    print("qkv serve: compiling the decode step (a minute or two the first time; then read from Inductor's cache)",
-          flush=True)  # fmt: skip
-    for rows in sorted({1, min(2, len(engine.rows))}):
-        engine.generate([Request([0, 0], 2, GREEDY) for _ in range(rows)])
-    print(f"qkv serve: compiled in {time.perf_counter() - begin:.1f} s", flush=True)

@@ -34,7 +34,7 @@ from torch import Tensor
 from qkv.engine.requests import Event, Finished, FinishReason, Request, StopText, Token
 from qkv.engine.rows import Rows, rows_for
 from qkv.errors import QkvError
-from qkv.generation import PREFILL_CHUNK, check_token_ids, common_prefix, sample_next
+from qkv.generation import GREEDY, PREFILL_CHUNK, check_token_ids, common_prefix, sample_next
 from qkv.models import DecoderLM
 from qkv.tokenizers import Tokenizer
 
@@ -155,6 +155,18 @@ class Engine:
         for row in range(len(self.rows)):
             self.kv.keep(row, 0)
             self.held[row] = []
+
+    def warm_up(self) -> float:
+        """Decode a few tokens in one row, then in two and three at once, so that a compiled step is compiled
+        before requests come (a row count equal to a fixed size, two key-value heads say, is traced as that size:
+        the third row gets a general graph); the slots are emptied after. Returns the seconds it took."""
+        begin = time.perf_counter()
+        if self.kv.capacity >= 4:
+            self.generate([Request([0], 3, GREEDY) for _ in range(min(3, len(self.rows)))])
+        for row in range(len(self.rows)):
+            self.kv.keep(row, 0)
+            self.held[row] = []
+        return time.perf_counter() - begin
 
     @torch.inference_mode()
     def step(self) -> None:
