@@ -126,10 +126,12 @@ def main() -> int:
     p.add_argument("--no-prompt-cache", action="store_true",
                    help="serve with --no-prompt-cache: the lone pass re-sends the same prompts, which a slot's prompt "
                         "cache would otherwise partly reuse (keys summed in other chunks)")  # fmt: skip
+    p.add_argument("--compile", action="store_true", help="serve with --compile (the decode step compiled)")
     p.add_argument("--json", help="write the findings here")
     args = p.parse_args()
     bodies = requests_for(args.requests, args.seed)
-    server = start_qkv(args.model, args.port, args.threads, *(["--no-prompt-cache"] if args.no_prompt_cache else []))
+    extra = (["--no-prompt-cache"] if args.no_prompt_cache else []) + (["--compile"] if args.compile else [])
+    server = start_qkv(args.model, args.port, args.threads, *extra)
     rss: dict[str, float] = {"idle": server.rss_mb()}
     try:
         began = time.perf_counter()
@@ -149,6 +151,7 @@ def main() -> int:
     lost = sum(r is None for r in together) + sum(r is None for r in alone)
     ties = [x for x in found["parted"] if x["gap"] < NEAR_TIE]
     report = {"requests": args.requests, "at_once": args.at_once, "prompt_cache": not args.no_prompt_cache,
+              "compiled": args.compile,
               "seconds_together": round(seconds, 1),
               "identical": found["identical"], "parted_at_near_ties": len(ties),
               "parted_otherwise": [x for x in found["parted"] if x["gap"] >= NEAR_TIE], "parted": found["parted"],

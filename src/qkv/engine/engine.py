@@ -17,7 +17,9 @@ Greedy and seeded replies equal qkv.generation.stream's for the same prompt alon
 numbers do not depend on the other rows. A reused prompt start is the exception where activations are rounded to
 bfloat16 (GGUF weights kept quantised): its keys were computed in other chunks than a fresh read computes them,
 float sums in another order, and bfloat16's rounding can turn that into a different token many tokens later, as
-with llama.cpp's prompt cache. reuse_prompts=False (`qkv serve --no-prompt-cache`) reads every prompt afresh.
+with llama.cpp's prompt cache. reuse_prompts=False (`qkv serve --no-prompt-cache`) reads every prompt afresh. A
+compiled decode step (compiled=True) sums in its own order: a row's numbers still do not depend on the others, but
+may differ from an eager step's in the last bits.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Two layouts behind one interface:
 - SlotRows: S rows of one slot cache (qkv.attention.slots); each decode step is one forward pass over every
-  decoding row, each at its own position. Plain multi-head and grouped-query caches only.
+  decoding row, each at its own position, compiled if asked (qkv.generation.compiled_step). Plain multi-head and
+  grouped-query caches only.
 - OneRow: a single sequence in the model's own cache (any attention: latent, sliding window), stepped as
   qkv.generation.stream steps it (the same chunks, the same one-token step, compiled if asked), so its tokens are
   stream's.
