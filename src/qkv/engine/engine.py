@@ -18,8 +18,8 @@ numbers do not depend on the other rows. A reused prompt start is the exception 
 bfloat16 (GGUF weights kept quantised): its keys were computed in other chunks than a fresh read computes them,
 float sums in another order, and bfloat16's rounding can turn that into a different token many tokens later, as
 with llama.cpp's prompt cache. reuse_prompts=False (`qkv serve --no-prompt-cache`) reads every prompt afresh. A
-compiled decode step (compiled=True) sums in its own order: a row's numbers still do not depend on the others, but
-may differ from an eager step's in the last bits.
+compiled decode step (compiled=True) sums in its own order, and one decoding row runs in another graph than several:
+there too, bfloat16 activations can part a reply from the lone one at a near-tie (docs/serving.md measures it).
 """
 
 from __future__ import annotations
