@@ -154,9 +154,7 @@ class Engine:
             for live in [*self.queue, *(r for r in self.rows if r is not None)]:
                 self._finish(live, "error")
             self.queue.clear()
-        for row in range(len(self.rows)):
-            self.kv.keep(row, 0)
-            self.held[row] = []
+        self._empty_slots()
 
     def warm_up(self) -> float:
         """Decode a few tokens in one row, then in two and three at once, so that a compiled step is compiled
@@ -165,10 +163,14 @@ class Engine:
         begin = time.perf_counter()
         if self.kv.capacity >= 4:
             self.generate([Request([0], 3, GREEDY) for _ in range(min(3, len(self.rows)))])
+        self._empty_slots()
+        return time.perf_counter() - begin
+
+    def _empty_slots(self) -> None:
+        """Forget every slot's keys."""
         for row in range(len(self.rows)):
             self.kv.keep(row, 0)
             self.held[row] = []
-        return time.perf_counter() - begin
 
     @torch.inference_mode()
     def step(self) -> None:
