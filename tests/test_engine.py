@@ -165,7 +165,7 @@ def test_bad_requests_are_refused_in_one_line() -> None:
     engine = Engine(tiny_lm(), max_batch=2, kv_cache_tokens=20)
     with pytest.raises(QkvError, match="prompt is empty"):
         Request([], 5)
-    with pytest.raises(QkvError, match="a slot holds 10"):
+    with pytest.raises(QkvError, match="a slot reads 9, with room for the reply"):
         engine.submit(Request(list(range(12)), 5), print)
     with pytest.raises(QkvError, match="out of range"):
         engine.submit(Request([VOCAB + 3], 5), print)

@@ -135,9 +135,32 @@ def test_model_panel_numbers_are_the_models(root: Path) -> None:
     np.testing.assert_allclose(got, expected, atol=1e-6)
     greedy = model_panel.step(run, text, None, Sampling(temperature=0.0))
     assert greedy["token"] == int(logits.argmax()) and greedy["ids"][:-1] == ids
+    np.testing.assert_allclose(_unpack(greedy["rows"]), expected[:, :, -1], atol=1e-6)
     shaped = model_panel.next_token(run, text, None, Sampling(temperature=1.0, top_k=3))
     assert shaped["kept"] == 3 and sum(p > 0 for p in shaped["probs"]) == 3
     assert sum(shaped["probs"]) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_generation_steps_read_only_the_new_token(root: Path) -> None:
+    """Each step goes through the engine, whose slot keeps the window read before: the next step reads one token,
+    and its attention rows and token are the full forward pass's."""
+    run = load(root / "runs" / "lm")
+    read: list[int] = []
+    hook = run.model.embed.register_forward_hook(lambda _m, args, _o: read.append(args[0].shape[1]))
+    try:
+        ids = model_panel.step(run, "To be, or not", None, Sampling(temperature=0.0))["ids"]
+        for _ in range(3):
+            read.clear()
+            answer = model_panel.step(run, None, ids, Sampling(temperature=0.0))
+            assert read == [1]
+            with torch.no_grad(), record_attention(run.model) as recorder:
+                logits = run.model(torch.tensor([ids]))[0, -1]
+            rows = torch.cat(recorder.weights_of("decoder.layers.*.self_attn"))[:, :, -1].numpy()
+            np.testing.assert_allclose(_unpack(answer["rows"]), rows, atol=1e-6)
+            assert answer["token"] == int(logits.argmax()) and answer["ids"][:-1] == ids
+            ids = answer["ids"]
+    finally:
+        hook.remove()
 
 
 # ------------------------------------------------------------------------------------------- the library

@@ -166,6 +166,33 @@ def test_batched_beam_equals_one_by_one(copy_run: ToyResult, which: str, beta: f
     assert batched == alone
 
 
+@pytest.mark.parametrize("which", ["trained", "untrained"])
+def test_greedy_in_few_slots_equals_each_sentence_alone(copy_run: ToyResult, which: str) -> None:
+    """Twelve sentences through three engine slots (each one's slot taken by the next as it ends), each limited by
+    its own length: every translation is the one the sentence gets alone, and the untrained model's reach that
+    limit."""
+    model = copy_run.model if which == "trained" else toy_model().eval()
+    src = _mixed_sources()
+    together = greedy_decode(model, src, SP, slots=3)
+    alone = [greedy_decode(model, row[row != SP.pad][None], SP, slots=1)[0] for row in src]
+    assert together == alone
+    limits = [int(len(row[row != SP.pad]) * 1.5) + 10 for row in src]
+    if which == "untrained":
+        assert any(len(out) == limit for out, limit in zip(together, limits, strict=True))
+    assert all(len(out) <= limit for out, limit in zip(together, limits, strict=True))
+
+
+def test_a_decoder_without_slots_decodes_greedy_in_its_own_cache() -> None:
+    """A sliding-window cache has no slots (nor has a latent one): greedy decoding keeps the padded batch in the
+    model's own cache, token for token what re-reading every prefix gives."""
+    from qkv.attention import SlidingWindowAttentionConfig
+
+    layer = SlidingWindowAttentionConfig(n_heads=4, window=6)
+    model = toy_model().cfg.override({"decoder.block.attention": layer}).build().eval()
+    src = _mixed_sources(6)
+    assert greedy_decode(model, src, SP, max_len=20) == greedy_decode(model, src, SP, max_len=20, use_cache=False)
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.5])
 def test_cached_and_uncached_decoding_agree(copy_run: ToyResult, beta: float) -> None:
     untrained = toy_model().eval()

@@ -21,7 +21,8 @@ from qkv.errors import QkvError
 ALIGN = 32  # decode attends over a multiple of this many key columns (Slots.decode says why)
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
+    """n rounded up to a multiple of ALIGN."""
     return -(-n // ALIGN) * ALIGN
 
 
@@ -37,7 +38,7 @@ class Slots:
         self.n = 0  # rows in this decode step
         self.width = 0  # key columns the next forward attends over (after its append)
         self.columns = torch.zeros(0, dtype=torch.long)  # decode: (n,) the column each row writes
-        self.columns_held = _aligned(capacity + 1)  # each row's buffer: C tokens, scratch, the alignment's padding
+        self.columns_held = aligned(capacity + 1)  # each row's buffer: C tokens, scratch, the alignment's padding
 
     def prefill(self, row: int, n_tokens: int) -> None:
         """Get ready to read n_tokens more of row's sequence (the row alone, a batch of 1)."""
@@ -55,7 +56,7 @@ class Slots:
         # Keys past a row's length are masked, yet the fused CPU kernel sums a row's scores in an order that depends
         # on the width; over a multiple of 32 columns it does not, so a row's numbers are the same in any batch.
         widest = 1 + max((length for length, on in zip(self.lengths, live, strict=False) if on), default=0)
-        self.width = min(_aligned(widest), self.columns_held)
+        self.width = min(aligned(widest), self.columns_held)
         self.columns = torch.tensor(lengths, dtype=torch.long, device=self.device)
         visible = torch.arange(self.width, device=self.device)[None, :] <= self.columns[:, None]  # (n, width)
         return visible & torch.tensor(live, device=self.device)[:, None]
@@ -107,11 +108,81 @@ class SlotKVCache(KVCache):
         self._v[rows, :, s.columns] = v[:, :, 0].to(self._v.dtype)
         return self._k[: s.n, :, : s.width], self._v[: s.n, :, : s.width]
 
+    def put(self, rows: list[int], k: Tensor, v: Tensor) -> None:
+        """Start each of `rows` afresh with (m, H_kv, T, D) keys/values computed outside the slots (a batch of rows
+        starting together); their lengths are the caller's to advance."""
+        if self._k is None or self._v is None:
+            shape = (self.slots.n_slots, k.shape[1], self.slots.columns_held, k.shape[-1])
+            self._k = k.new_zeros(shape, dtype=storage_dtype(k))
+            self._v = v.new_zeros(shape, dtype=storage_dtype(v))
+        self._k[rows, :, : k.shape[-2]] = k.to(self._k.dtype)
+        self._v[rows, :, : v.shape[-2]] = v.to(self._v.dtype)
+
     def nbytes(self) -> int:
         """Bytes the buffers hold (all slots, all capacity)."""
         if self._k is None or self._v is None:
             return 0
         return 2 * self._k.numel() * self._k.element_size()
+
+
+class Sources:
+    """Each slot's source length (encoder–decoder slots), and the source columns a decode step's cross-attention
+    reads: a multiple of ALIGN, as Slots.decode reads its own keys, so a row's numbers do not depend on its company."""
+
+    def __init__(self, slots: Slots, capacity: int) -> None:
+        self.slots, self.capacity = slots, capacity
+        self.lengths = [0] * slots.n_slots  # 0: the row has no source (yet)
+        self.columns_held = aligned(capacity)
+        self.width = 0
+
+    def decode(self, live: list[bool]) -> Tensor:
+        """The cross-attention mask (n, width) of a decode step over rows [0, len(live)): True on each live row's
+        source."""
+        self.width = min(aligned(max((n for n, on in zip(self.lengths, live, strict=False) if on), default=1)),
+                         self.columns_held)  # fmt: skip
+        lengths = torch.tensor(self.lengths[: len(live)], device=self.slots.device)
+        visible = torch.arange(self.width, device=self.slots.device)[None, :] < lengths[:, None]  # (n, width)
+        return visible & torch.tensor(live, device=self.slots.device)[:, None]
+
+
+class SlotCrossKV(KVCache):
+    """One cross-attention layer's keys and values (S, H_kv, columns_held, D) of each slot's source: put there when
+    the row starts decoding (qkv.engine.rows.SourceRows), read by every decode step after."""
+
+    def __init__(self, sources: Sources) -> None:
+        super().__init__(sources.capacity)
+        self.sources = sources
+
+    @property
+    def length(self) -> int:
+        """The source columns a decode step reads (multi_head reads the keys here, not the memory's)."""
+        return self.sources.width
+
+    @length.setter
+    def length(self, value: int) -> None:
+        """Lengths belong to the Sources (KVCache's constructor sets one)."""
+
+    def put(self, rows: list[int], k: Tensor, v: Tensor) -> None:
+        """Keep the (m, H_kv, S, D) source keys/values of a batch of rows starting to decode, one row each."""
+        if self._k is None or self._v is None:
+            shape = (self.sources.slots.n_slots, k.shape[1], self.sources.columns_held, k.shape[-1])
+            self._k, self._v = k.new_zeros(shape, dtype=storage_dtype(k)), v.new_zeros(shape, dtype=storage_dtype(v))
+        self._k[rows, :, : k.shape[-2]] = k.to(self._k.dtype)
+        self._v[rows, :, : v.shape[-2]] = v.to(self._v.dtype)
+
+    def set(self, k: Tensor, v: Tensor) -> None:
+        """Refused: a slot's source keys come from put (a forward pass over the slots reads them)."""
+        raise QkvError("a slot cache's source keys are put by SourceRows when its row starts decoding")
+
+    def keys_values(self) -> tuple[Tensor, Tensor]:
+        """The source keys/values of rows [0, n) of a decode step, width columns each."""
+        assert self._k is not None and self._v is not None, "no slot's source keys are set"
+        s = self.sources
+        return self._k[: s.slots.n, :, : s.width], self._v[: s.slots.n, :, : s.width]
+
+    def nbytes(self) -> int:
+        """Bytes the buffers hold (all slots)."""
+        return 0 if self._k is None else 2 * self._k.numel() * self._k.element_size()
 
 
 def unslottable(template: list[LayerCache]) -> int | None:
@@ -120,14 +191,16 @@ def unslottable(template: list[LayerCache]) -> int | None:
     return next((i for i, layer in enumerate(template) if type(layer.self_attn) is not KVCache), None)
 
 
-def slot_cache(template: list[LayerCache], slots: Slots) -> list[LayerCache]:
-    """A slot cache with the layout of `template` (a model's new_cache(1)); only plain KV caches have slots."""
+def slot_cache(template: list[LayerCache], slots: Slots, sources: Sources | None = None) -> list[LayerCache]:
+    """A slot cache with the layout of `template` (a model's new_cache(1)); only plain KV caches have slots. With
+    `sources` (an encoder–decoder's), each layer's cross-attention keys have slots too."""
     i = unslottable(template)
     if i is not None:
         raise QkvError(f"layer {i} keeps a {type(template[i].self_attn).__name__}; batched generation serves models "
                        "whose layers use multi-head or grouped-query attention: use one sequence at a time "
                        "(--max-batch 1, --batch-size 1)")  # fmt: skip
-    return [LayerCache(SlotKVCache(slots), KVCache()) for _ in template]
+    cross = [SlotCrossKV(sources) if sources is not None else KVCache() for _ in template]
+    return [LayerCache(SlotKVCache(slots), c) for c in cross]
 
 
-__all__ = ["SlotKVCache", "Slots", "slot_cache", "unslottable"]
+__all__ = ["ALIGN", "SlotCrossKV", "SlotKVCache", "Slots", "Sources", "aligned", "slot_cache", "unslottable"]

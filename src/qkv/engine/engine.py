@@ -6,8 +6,8 @@ Each step, in one thread:
    conversation's next turn re-reads only what it adds);
 2. one decode step for every sequence that is decoding: one forward pass over all their rows, each at its own
    position, each sampled with its own settings and random generator;
-3. one chunk (qkv.generation.PREFILL_CHUNK tokens) of one waiting prompt (prefill), so a long prompt delays the
-   others' next token by one chunk only.
+3. prompt chunks (prefill), oldest prompt first, at most qkv.generation.PREFILL_CHUNK tokens in all: one chunk of
+   a long prompt, or several short prompts whole, so a long prompt delays the others' next token by one chunk only.
 
 A sequence ends at a stop token, a stop string, max_tokens, a full slot (unless it slides on past the context, as
 `qkv generate` does), cancellation or its timeout, and its slot is freed for the next request. Requests beyond the
@@ -34,10 +34,10 @@ import torch
 from torch import Tensor
 
 from qkv.engine.requests import Event, Finished, FinishReason, Request, StopText, Token
-from qkv.engine.rows import Rows, rows_for
+from qkv.engine.rows import Read, Rows, rows_for
 from qkv.errors import QkvError
 from qkv.generation import GREEDY, PREFILL_CHUNK, check_token_ids, common_prefix, sample_next
-from qkv.models import DecoderLM
+from qkv.models import DecoderLM, Transformer
 from qkv.tokenizers import Tokenizer
 
 
@@ -76,36 +76,47 @@ class Handle:
         self.live.cancelled = True
 
 
-class Engine:
-    """Continuous batching over a DecoderLM: max_batch slots of kv_cache_tokens / max_batch tokens each."""
+def slots_for(model: DecoderLM, max_batch: int = 8, kv_cache_tokens: int | None = None, compiled: bool = False,
+              ) -> Rows:  # fmt: skip
+    """A language model's rows: max_batch slots of kv_cache_tokens / max_batch tokens (default: a context) each."""
+    if max_batch < 1:
+        raise QkvError(f"--max-batch must be ≥ 1, got {max_batch}")
+    context = model.cfg.context_length
+    tokens = kv_cache_tokens if kv_cache_tokens is not None else max_batch * context
+    if tokens < max_batch * 2:
+        raise QkvError(f"--kv-cache-tokens {tokens} leaves under 2 tokens per slot for --max-batch {max_batch}")
+    return rows_for(model, max_batch, min(context, tokens // max_batch), compiled)
 
-    def __init__(self, model: DecoderLM, tokenizer: Tokenizer | None = None, max_batch: int = 8,
+
+class Engine:
+    """Continuous batching over a DecoderLM's slots (max_batch of kv_cache_tokens / max_batch tokens each), or over
+    the rows given (an encoder–decoder's: qkv.engine.rows.SourceRows)."""
+
+    def __init__(self, model: DecoderLM | Transformer, tokenizer: Tokenizer | None = None, max_batch: int = 8,
                  kv_cache_tokens: int | None = None, max_queue: int = 256, timeout: float | None = None,
-                 reuse_prompts: bool = True, compiled: bool = False) -> None:  # fmt: skip
+                 reuse_prompts: bool = True, compiled: bool = False, rows: Rows | None = None) -> None:  # fmt: skip
         """kv_cache_tokens: all slots' tokens (default: max_batch contexts); timeout: seconds a request may take;
-        compiled: the decode step compiled (qkv.generation.compiled_step)."""
-        if max_batch < 1:
-            raise QkvError(f"--max-batch must be ≥ 1, got {max_batch}")
-        context = model.cfg.context_length
-        tokens = kv_cache_tokens if kv_cache_tokens is not None else max_batch * context
-        if tokens < max_batch * 2:
-            raise QkvError(f"--kv-cache-tokens {tokens} leaves under 2 tokens per slot for --max-batch {max_batch}")
+        compiled: the decode step compiled (qkv.generation.compiled_step); rows: these instead of slots_for's."""
+        if rows is None:
+            if not isinstance(model, DecoderLM):
+                raise QkvError("an encoder–decoder model decodes in the rows its caller builds (rows.SourceRows)")
+            rows = slots_for(model, max_batch, kv_cache_tokens, compiled)
+        self.kv = rows
         self.model, self.tokenizer, self.max_queue, self.timeout = model, tokenizer, max_queue, timeout
         self.reuse_prompts = reuse_prompts  # False: every prompt is read from its first token
         self.device = next(model.parameters()).device
-        self.kv: Rows = rows_for(model, max_batch, min(context, tokens // max_batch), compiled)
-        self.rows: list[_Live | None] = [None] * max_batch
-        self.held: list[list[int]] = [[] for _ in range(max_batch)]  # the ids whose keys each slot holds
+        self.rows: list[_Live | None] = [None] * self.kv.n_rows
+        self.held: list[list[int]] = [[] for _ in range(self.kv.n_rows)]  # the ids whose keys each slot holds
         self.queue: deque[_Live] = deque()
         self.closed = False
         self._lock = threading.Condition()
 
     def submit(self, request: Request, emit: Callable[[Event], None]) -> Handle:
         """Queue `request`; emit(event) is called from the engine's thread with each Token, then one Finished."""
-        if len(request.ids) >= self.kv.capacity and not request.slide:
-            raise QkvError(f"the prompt is {len(request.ids)} tokens; a slot holds {self.kv.capacity}, with room "
+        if len(request.ids) > self.kv.prompt_tokens and not request.slide:
+            raise QkvError(f"the prompt is {len(request.ids)} tokens; a slot reads {self.kv.prompt_tokens}, with room "
                            "for the reply: shorten it, or give the engine more --kv-cache-tokens per slot")  # fmt: skip
-        check_token_ids(torch.tensor(request.ids), self.model.cfg.vocab_size)
+        check_token_ids(torch.tensor(request.ids), self.kv.prompt_vocab)
         text = None
         if self.tokenizer is not None:
             text = StopText(self.tokenizer.decode, request.ids, request.stop)
@@ -174,14 +185,21 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> None:
-        """Admit, decode every decoding sequence one token, read one prompt chunk."""
+        """Admit, decode every decoding sequence one token, read prompt chunks."""
         self._retire_cancelled()
         self._admit()
         if any(r is not None and r.next_id is not None for r in self.rows):
             self._decode()
-        waiting = [r for r in self.rows if r is not None and r.next_id is None]
-        if waiting:
-            self._prefill(min(waiting, key=lambda r: r.request.created))
+        waiting = sorted((r for r in self.rows if r is not None and r.next_id is None), key=lambda r: r.request.created)
+        reading, budget = [], PREFILL_CHUNK  # prompt tokens read per step: the oldest prompt's next chunk, then more
+        for live in waiting:
+            size = min(len(live.pending), PREFILL_CHUNK)
+            if size > budget:
+                break
+            reading.append(live)
+            budget -= size
+        if reading:
+            self._prefill(reading)
 
     def generate(self, requests: list[Request], on_event: Callable[[int, Event], None] | None = None,
                  ) -> list[tuple[list[Token], Finished]]:  # fmt: skip
@@ -213,7 +231,9 @@ class Engine:
         with self._lock:
             while self.queue and None in self.rows:
                 live = self.queue.popleft()
-                ids = live.request.ids[-self.kv.capacity :]  # a sliding request's prompt past the context: its end
+                ids = live.request.ids
+                if live.request.slide:  # a prompt past the context: its end
+                    ids = ids[-self.kv.capacity :]
                 free = [i for i, r in enumerate(self.rows) if r is None]
                 shared = {i: common_prefix(self.held[i], ids) for i in free}
                 row = max(free, key=lambda i: (shared[i], -i))
@@ -223,14 +243,16 @@ class Engine:
                 live.row, live.pending, live.cached = row, ids[keep:], keep
                 self.rows[row] = live
 
-    def _prefill(self, live: _Live) -> None:
-        """Read the next chunk of live's pending ids into its slot; after the last one, pick its next token."""
-        ids, live.pending = live.pending[:PREFILL_CHUNK], live.pending[PREFILL_CHUNK:]
-        chunk = torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, T)
-        logits = self.kv.prefill(live.row, chunk, last=not live.pending)
-        self.held[live.row] += ids
-        if logits is not None:
-            self._pick(live, logits)
+    def _prefill(self, reading: list[_Live]) -> None:
+        """Read the next chunk of each one's pending ids into its slot; after its last one, pick its next token."""
+        reads: list[Read] = []
+        for live in reading:
+            ids, live.pending = live.pending[:PREFILL_CHUNK], live.pending[PREFILL_CHUNK:]
+            reads.append((live.row, torch.tensor([ids], dtype=torch.long, device=self.device), not live.pending))
+            self.held[live.row] += ids
+        for live, logits in zip(reading, self.kv.prefill(reads), strict=True):
+            if logits is not None:
+                self._pick(live, logits)
 
     def _decode(self) -> None:
         """One token for every decoding row: one forward pass over rows [0, n), each at its own position."""
@@ -247,6 +269,8 @@ class Engine:
     def _pick(self, live: _Live, logits: Tensor) -> None:
         """Sample live's next token from its logits (V,), send it, and end the request where it stops."""
         request = live.request
+        if request.observe is not None:
+            request.observe(logits)
         token = int(sample_next(logits[None], request.sampling, live.generator)[0])
         live.said += 1
         if token in request.stop_ids:
@@ -295,4 +319,4 @@ def _collect(tokens: list[Token], done: list[Finished], k: int,
     return emit
 
 
-__all__ = ["Busy", "Closed", "Engine", "Handle"]
+__all__ = ["Busy", "Closed", "Engine", "Handle", "slots_for"]

@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from torch import Tensor
+
 from qkv.errors import QkvError
 from qkv.generation import Sampling
 from qkv.tokenizers.stream import TextStream
@@ -32,6 +34,7 @@ class Request:
     stop: Sequence[str] = ()  # strings that end it (not sent)
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: and the k likeliest tokens'
     slide: bool = False  # at the context's end, go on reading its last tokens (qkv.generation.stream) instead of ending
+    observe: Callable[[Tensor], None] | None = None  # sees the logits (V,) each token is sampled from
     id: int = field(default_factory=lambda: next(_IDS))
     created: float = field(default_factory=time.monotonic)
 

@@ -9,14 +9,18 @@ and a fraction of the size of JSON numbers (a full 128-token map of 3 layers × 
 from __future__ import annotations
 
 import base64
+import threading
+import weakref
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
 import torch
 
 from qkv.attention import record_attention
+from qkv.engine import Engine, Request
 from qkv.errors import QkvError
-from qkv.generation import Sampling, next_token_probs, sample_next
+from qkv.generation import Sampling, next_token_probs
 from qkv.lab.attention_map import run_attention_maps
 from qkv.lab.softmax import entropy
 from qkv.models import DecoderLM
@@ -24,6 +28,8 @@ from qkv.models import DecoderLM
 TOP_TOKENS = 20  # rows of the next-token chart
 CHAT_OPENING = "Hello! What can you do?"  # a chat run's first message on the page
 MAX_WEIGHTS = 1 << 24  # attention weights of one text, all layers and heads: 64 MB of float32 (and as many scores)
+_ENGINES: weakref.WeakKeyDictionary[DecoderLM, tuple[Engine, threading.Lock]] = weakref.WeakKeyDictionary()
+_ENGINES_LOCK = threading.Lock()
 
 
 def pack(array: np.ndarray | torch.Tensor) -> dict[str, Any]:
@@ -117,15 +123,36 @@ def _ids(run: Any, text: str | None, ids: list[int] | None) -> list[int]:
     return ids
 
 
-def _forward(model: DecoderLM, window: list[int], record: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Last-position logits (V,) and, if `record`, each layer's attention weights (H, T, T) for a window of ids."""
-    ids = torch.tensor([window], device=next(model.parameters()).device)
-    if not record:  # the fused kernel: nothing is recorded that nobody reads
-        with torch.no_grad():
-            return model(ids)[0, -1].float(), []
-    with torch.no_grad(), record_attention(model, only="decoder.layers.*.self_attn") as recorder:
-        logits = model(ids)[0, -1].float()
-    return logits, [w[0].float().cpu() for w in recorder.weights_of()]
+def _engine(model: DecoderLM) -> tuple[Engine, threading.Lock]:
+    """The model's one-slot engine (and the lock its callers take): the slot keeps the last window read, so the next
+    step's window, one token longer, reads only that token."""
+    with _ENGINES_LOCK:
+        if model not in _ENGINES:
+            _ENGINES[model] = (Engine(model, max_batch=1), threading.Lock())
+        return _ENGINES[model]
+
+
+def _next(model: DecoderLM, window: list[int], sampling: Sampling, record: bool = False,
+          ) -> tuple[torch.Tensor, int, list[torch.Tensor]]:  # fmt: skip
+    """One token after the window, generated through qkv's engine: the logits (V,) it was sampled from, the token,
+    and, if `record`, each layer's attention row of the window's last token (H, T)."""
+    engine, lock = _engine(model)
+    seen: list[torch.Tensor] = []
+    request = Request(window, 1, sampling, slide=True, observe=seen.append)
+    # Only recorded attention leaves the fused kernel: nothing is recorded that nobody reads.
+    recording = record_attention(model, only="decoder.layers.*.self_attn") if record else nullcontext(None)
+    with lock, recording as recorder:
+        try:
+            [(tokens, _)] = engine.generate([request])
+        except BaseException:
+            engine.abort()  # a step that failed midway leaves no half-read slot behind
+            raise
+    rows = []
+    if recorder is not None:  # the last forward's records, one per layer: its last query's row in each head
+        for weights in recorder.weights_of()[-len(model.decoder.layers) :]:
+            row = weights[0, :, -1].float().cpu()  # (H, T_k): a sliding window's cache keeps the last keys only
+            rows.append(torch.nn.functional.pad(row, (len(window) - row.shape[-1], 0)))
+    return seen[0].float(), tokens[0].id, rows
 
 
 def _distribution(logits: torch.Tensor, sampling: Sampling, tokenizer: Any) -> dict[str, Any]:
@@ -147,20 +174,18 @@ def next_token(run: Any, text: str | None, ids: list[int] | None, sampling: Samp
     """The next-token distribution after the text (its last max_positions tokens, as generation reads them)."""
     model = _language_model(run)
     window = _ids(run, text, ids)[-model.cfg.context_length :]
-    logits, _ = _forward(model, window)
+    logits, _, _ = _next(model, window, sampling)
     return _distribution(logits, sampling, run.require_tokenizer())
 
 
 def step(run: Any, text: str | None, ids: list[int] | None, sampling: Sampling) -> dict[str, Any]:
-    """One generation step: the token picked as qkv.generation picks it, and the attention row that produced it."""
+    """One generation step, through qkv's engine: the token it picks, and the attention row that produced it."""
     model = _language_model(run)
     tokenizer = run.require_tokenizer()
     ids = _ids(run, text, ids)
     window = ids[-model.cfg.context_length :]
-    logits, weights = _forward(model, window, record=True)
-    generator = sampling.generator(logits.device)
-    token = int(sample_next(logits[None], sampling, generator)[0])
-    rows = torch.stack([w[:, -1, :] for w in weights])  # (layers, heads, T): the last query's row in each head
+    logits, token, weights = _next(model, window, sampling, record=True)
+    rows = torch.stack(weights)  # (layers, heads, T): the last query's row in each head
     return {
         "token": token,
         "token_text": tokenizer.decode([token]),

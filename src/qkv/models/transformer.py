@@ -106,13 +106,15 @@ class Transformer(nn.Module):
         src_mask: Tensor | None = None,
         tgt_mask: Tensor | None = None,
         cache: list[LayerCache] | None = None,
+        positions: Tensor | None = None,
     ) -> Tensor:
         """Logits (B, T, tgt_vocab) for target ids (B, T) following the cache's tokens.
 
         src_mask (B, 1, 1, S) hides source padding from cross-attention; tgt_mask (B, 1, 1, T_k)
-        hides target padding; the causal mask is always applied.
+        hides target padding; the causal mask is always applied. positions (B, T): each row's own
+        positions (rows of a slot cache, each at its own length), else the cache's length on.
         """
-        x, rope = self.tgt_embed(tgt, start=cache_length(cache))
+        x, rope = self.tgt_embed(tgt, start=cache_length(cache), positions=positions)
         x = self.decoder(x, memory, self_mask=tgt_mask, memory_mask=src_mask, cache=cache, rope=rope)
         return self.generator(x)
 

@@ -31,7 +31,15 @@ from qkv.tasks.base import EvalOptions, LoadedRun, read_tokenizer
 from qkv.tokenizers import Tokenizer
 from qkv.training import Evaluation, RunConfig, Task, TrainResult
 from qkv.training.config import DataConfig, EvalConfig, OptimConfig, ScheduleConfig
-from qkv.translation.batching import Seq2SeqBatch, Specials, batches_of, encode_pairs, length_buckets, make_batch
+from qkv.translation.batching import (
+    Seq2SeqBatch,
+    Specials,
+    batches_of,
+    encode_pairs,
+    length_buckets,
+    make_batch,
+    pad_sequences,
+)
 from qkv.translation.bible import split_bible
 from qkv.translation.corpus import Splits, combine, split_de_en, split_pairs_file
 from qkv.translation.decoding import COVERAGE_PENALTY, LENGTH_PENALTY, check_penalties, greedy_decode
@@ -133,12 +141,11 @@ def starting_point(path: str) -> tuple[Transformer, Tokenizer]:
 
 def validation_bleu(model: Transformer, batches: list[Seq2SeqBatch], translator: Translator) -> float:
     """Greedy BLEU over the validation batches (references decoded from the same tokens)."""
-    hyps, refs = [], []
     sp, tokenizer = translator.specials, translator.tokenizer
-    for batch in batches:
-        hyps += [tokenizer.decode(ids).strip() for ids in greedy_decode(model, batch.src, sp)]
-        refs += [tokenizer.decode([t for t in row if t not in (sp.pad, sp.eos)]).strip()
-                 for row in batch.tgt_out.tolist()]  # fmt: skip
+    sources = [row[row != sp.pad].tolist() for batch in batches for row in batch.src]  # decoded together, slot by slot
+    hyps = [tokenizer.decode(ids).strip() for ids in greedy_decode(model, pad_sequences(sources, sp.pad), sp)]
+    refs = [tokenizer.decode([t for t in row if t not in (sp.pad, sp.eos)]).strip()
+            for batch in batches for row in batch.tgt_out.tolist()]  # fmt: skip
     return corpus_bleu(hyps, refs)
 
 

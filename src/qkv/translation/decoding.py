@@ -1,4 +1,4 @@
-"""Greedy decoding and beam search for the encoder–decoder Transformer, batched, with a KV cache.
+"""Greedy decoding (through qkv's engine) and beam search for the encoder–decoder Transformer, batched, with a KV cache.
 
 The source is encoded once. Cross-attention keys/values over that memory are computed at the first
 decoding step and kept in the cache; each later step feeds only the newest target token, whose
@@ -13,7 +13,11 @@ from torch import Tensor
 
 from qkv.attention import LayerCache, record_attention
 from qkv.attention.masks import padding_mask_from_ids
+from qkv.attention.slots import unslottable
+from qkv.engine import Engine, Request
+from qkv.engine.rows import SourceRows
 from qkv.errors import QkvError
+from qkv.generation import GREEDY
 from qkv.io.devices import cpu_threads
 from qkv.models import Transformer
 from qkv.translation.batching import Specials
@@ -27,7 +31,13 @@ COVERAGE_PENALTY = 0.0
 
 def default_max_len(src: Tensor, model: Transformer) -> int:
     """Output tokens allowed: 1.5 × the longest source + 10, within the model's positions."""
-    return min(int(src.shape[1] * 1.5) + 10, model.cfg.context_length - 1)
+    return own_max_len(src.shape[1], model)
+
+
+def own_max_len(source_tokens: int, model: Transformer) -> int:
+    """Output tokens allowed for a source of source_tokens (its </s> included): 1.5 × that + 10, within the model's
+    positions."""
+    return min(int(source_tokens * 1.5) + 10, model.cfg.context_length - 1)
 
 
 def check_penalties(length_penalty: float, coverage_penalty: float) -> None:
@@ -110,12 +120,35 @@ def _strip(tokens: Tensor, sp: Specials) -> list[list[int]]:
 
 @torch.no_grad()
 @cpu_threads(1)  # a step multiplies tiny matrices (B × d_model): a second thread only waits (io.devices)
-def greedy_decode(
-    model: Transformer, src: Tensor, sp: Specials, max_len: int | None = None, use_cache: bool = True
-) -> list[list[int]]:
-    """The most likely next token at every step, for each source row of src (B, S) (padded with sp.pad)."""
+def greedy_decode(model: Transformer, src: Tensor, sp: Specials, max_len: int | None = None, use_cache: bool = True,
+                  slots: int = 64) -> list[list[int]]:  # fmt: skip
+    """The most likely next token at every step, for each source row of src (B, S) (padded with sp.pad).
+
+    The sentences decode in qkv's engine (qkv.engine.SourceRows), `slots` at a time: a sentence that ends frees its
+    slot for the next, and a translation does not depend on the sentences beside it. max_len None: each sentence's
+    own_max_len. use_cache=False re-reads every prefix of the padded batch instead (the tests' reference); a decoder
+    with latent or sliding-window attention decodes the padded batch in its own cache."""
+    if not use_cache or unslottable(model.new_cache(1)) is not None:  # a latent or sliding-window decoder
+        return _greedy_batch(model, src, sp, default_max_len(src, model) if max_len is None else max_len, use_cache)
+    sources = [row[row != sp.pad].tolist() for row in src]
+    limits = [own_max_len(len(ids), model) if max_len is None else max_len for ids in sources]
+    rows = SourceRows(model, min(slots, len(sources)), max(limits) + 1, max(map(len, sources)), sp.bos, sp.pad)
+    # Longest first: sources that start together are of similar lengths (little padding), and no long one is left
+    # to finish alone at the end.
+    order = sorted(range(len(sources)), key=lambda i: -len(sources[i]))
+    replies = Engine(model, rows=rows, max_queue=len(sources)).generate(
+        [Request(sources[i], limits[i], GREEDY, frozenset({sp.eos})) for i in order]
+    )
+    out: list[list[int]] = [[] for _ in sources]
+    for i, (tokens, _) in zip(order, replies, strict=True):
+        out[i] = [t.id for t in tokens]
+    return out
+
+
+def _greedy_batch(model: Transformer, src: Tensor, sp: Specials, max_len: int, use_cache: bool) -> list[list[int]]:
+    """Greedy decoding of the padded batch src (B, S) as one batch, in the model's own cache or re-reading every
+    prefix: the reference for the engine's, and the way for decoders whose caches have no slots."""
     src_mask = padding_mask_from_ids(src, sp.pad)  # (B, 1, 1, S)
-    max_len = default_max_len(src, model) if max_len is None else max_len
     stepper = _Stepper(model, model.encode(src, src_mask), src_mask, use_cache, max_len + 1, sp.pad)
     tokens = torch.full((src.shape[0], 1), sp.bos, dtype=torch.int64, device=src.device)  # (B, 1)
     done = torch.zeros(src.shape[0], dtype=torch.bool, device=src.device)

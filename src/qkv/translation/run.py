@@ -66,7 +66,7 @@ class Translator:
     beam_scoring: BeamScoring = "gnmt"
     # The next three are transformers' generation settings (beam_scoring "hf"); max_len applies to both.
     early_stopping: EarlyStopping = False
-    max_len: int | None = None  # output tokens allowed; None = 1.5 × the longest source + 10
+    max_len: int | None = None  # output tokens allowed; None = 1.5 × the source + 10 (beam: the longest in its batch)
     forced_eos: bool = False  # the last allowed token is </s> (forced_eos_token_id)
 
     def __post_init__(self) -> None:
@@ -99,7 +99,14 @@ class Translator:
                            coverage_penalty=self.coverage_penalty)  # fmt: skip
 
     def translate(self, sentences: list[str], beam_size: int = 1, batch_size: int = 64) -> list[str]:
-        """Translations of the sentences; beam_size 1 = greedy."""
+        """Translations of the sentences; beam_size 1 = greedy: batch_size at a time, each sentence's slot taken by
+        the next as soon as it ends (qkv's engine); beam search goes batch by batch."""
+        if not sentences:
+            return []
+        if beam_size == 1 and self.beam_scoring == "gnmt":
+            src = self.encode_sources(sentences)
+            ids = greedy_decode(self.model, src, self.specials, self.max_len, slots=batch_size)
+            return [self.tokenizer.decode(t).strip() for t in ids]
         out: list[str] = []
         for i in range(0, len(sentences), batch_size):
             ids = self.decode_ids(self.encode_sources(sentences[i : i + batch_size]), beam_size)
