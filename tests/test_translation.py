@@ -144,6 +144,22 @@ def test_beam_of_one_is_greedy(copy_run: ToyResult) -> None:
     assert beam_search(copy_run.model, src, SP, beam_size=1) == greedy_decode(copy_run.model, src, SP)
     untrained = toy_model().eval()  # flat distributions: the hard case for tie-free equivalence
     assert beam_search(untrained, src, SP, beam_size=1, max_len=12) == greedy_decode(untrained, src, SP, max_len=12)
+    # Each sentence's own limit, which the untrained model's outputs reach: the same in both.
+    assert beam_search(untrained, src, SP, beam_size=1) == greedy_decode(untrained, src, SP)
+
+
+def test_greedy_edges_and_half_precision(copy_run: ToyResult) -> None:
+    """No sentences, no tokens allowed, a row of padding only: empty outputs. A bfloat16 model decodes in the engine
+    as in one padded batch."""
+    model, src = copy_run.model, _mixed_sources(6)
+    assert greedy_decode(model, src[:0], SP) == []
+    assert greedy_decode(model, src, SP, max_len=0) == [[]] * 6
+    padded = torch.cat([src[:2], torch.full_like(src[:1], SP.pad)])
+    assert greedy_decode(model, padded, SP)[2] == []
+    half = ToyTask(config("copy", n_symbols=10)).build_model().eval()
+    half.load_state_dict(model.state_dict())
+    half = half.to(torch.bfloat16)
+    assert greedy_decode(half, src, SP, max_len=20) == greedy_decode(half, src, SP, max_len=20, use_cache=False)
 
 
 @pytest.mark.parametrize("decode", [greedy_decode, beam_search])

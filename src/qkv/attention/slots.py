@@ -127,7 +127,8 @@ class SlotKVCache(KVCache):
 
 class Sources:
     """Each slot's source length (encoder–decoder slots), and the source columns a decode step's cross-attention
-    reads: a multiple of ALIGN, as Slots.decode reads its own keys, so a row's numbers do not depend on its company."""
+    reads: a multiple of ALIGN, as Slots.decode reads its own keys, so the widest source does not change how the fused
+    kernel sums the others'."""
 
     def __init__(self, slots: Slots, capacity: int) -> None:
         self.slots, self.capacity = slots, capacity
@@ -164,9 +165,9 @@ class SlotCrossKV(KVCache):
 
     def put(self, rows: list[int], k: Tensor, v: Tensor) -> None:
         """Keep the (m, H_kv, S, D) source keys/values of a batch of rows starting to decode, one row each."""
-        if self._k is None or self._v is None:
+        if self._k is None or self._v is None:  # in the keys' own dtype, as a plain cross-attention cache keeps them
             shape = (self.sources.slots.n_slots, k.shape[1], self.sources.columns_held, k.shape[-1])
-            self._k, self._v = k.new_zeros(shape, dtype=storage_dtype(k)), v.new_zeros(shape, dtype=storage_dtype(v))
+            self._k, self._v = k.new_zeros(shape), v.new_zeros(shape)
         self._k[rows, :, : k.shape[-2]] = k.to(self._k.dtype)
         self._v[rows, :, : v.shape[-2]] = v.to(self._v.dtype)
 

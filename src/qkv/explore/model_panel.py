@@ -9,8 +9,8 @@ and a fraction of the size of JSON numbers (a full 128-token map of 3 layers × 
 from __future__ import annotations
 
 import base64
+import functools
 import threading
-import weakref
 from contextlib import nullcontext
 from typing import Any
 
@@ -28,7 +28,6 @@ from qkv.models import DecoderLM
 TOP_TOKENS = 20  # rows of the next-token chart
 CHAT_OPENING = "Hello! What can you do?"  # a chat run's first message on the page
 MAX_WEIGHTS = 1 << 24  # attention weights of one text, all layers and heads: 64 MB of float32 (and as many scores)
-_ENGINES: weakref.WeakKeyDictionary[DecoderLM, tuple[Engine, threading.Lock]] = weakref.WeakKeyDictionary()
 _ENGINES_LOCK = threading.Lock()
 
 
@@ -127,9 +126,12 @@ def _engine(model: DecoderLM) -> tuple[Engine, threading.Lock]:
     """The model's one-slot engine (and the lock its callers take): the slot keeps the last window read, so the next
     step's window, one token longer, reads only that token."""
     with _ENGINES_LOCK:
-        if model not in _ENGINES:
-            _ENGINES[model] = (Engine(model, max_batch=1), threading.Lock())
-        return _ENGINES[model]
+        return _new_engine(model)
+
+
+@functools.lru_cache(maxsize=4)  # the runs a page steps through; an older one's engine (and its cache) is let go
+def _new_engine(model: DecoderLM) -> tuple[Engine, threading.Lock]:
+    return Engine(model, max_batch=1), threading.Lock()
 
 
 def _next(model: DecoderLM, window: list[int], sampling: Sampling, record: bool = False,

@@ -143,7 +143,8 @@ def validation_bleu(model: Transformer, batches: list[Seq2SeqBatch], translator:
     """Greedy BLEU over the validation batches (references decoded from the same tokens)."""
     sp, tokenizer = translator.specials, translator.tokenizer
     sources = [row[row != sp.pad].tolist() for batch in batches for row in batch.src]  # decoded together, slot by slot
-    hyps = [tokenizer.decode(ids).strip() for ids in greedy_decode(model, pad_sequences(sources, sp.pad), sp)]
+    src = pad_sequences(sources, sp.pad).to(next(model.parameters()).device)
+    hyps = [tokenizer.decode(ids).strip() for ids in greedy_decode(model, src, sp)]
     refs = [tokenizer.decode([t for t in row if t not in (sp.pad, sp.eos)]).strip()
             for batch in batches for row in batch.tgt_out.tolist()]  # fmt: skip
     return corpus_bleu(hyps, refs)

@@ -118,45 +118,60 @@ def _strip(tokens: Tensor, sp: Specials) -> list[list[int]]:
     return out
 
 
+def limits(src: Tensor, sp: Specials, model: Transformer, max_len: int | None = None) -> list[int]:
+    """Output tokens each source row of src (B, S) may produce: max_len, or its own_max_len (None)."""
+    lengths = (src != sp.pad).sum(-1).tolist()
+    return [own_max_len(n, model) if max_len is None else max_len for n in lengths]
+
+
 @torch.no_grad()
 @cpu_threads(1)  # a step multiplies tiny matrices (B × d_model): a second thread only waits (io.devices)
 def greedy_decode(model: Transformer, src: Tensor, sp: Specials, max_len: int | None = None, use_cache: bool = True,
                   slots: int = 64) -> list[list[int]]:  # fmt: skip
     """The most likely next token at every step, for each source row of src (B, S) (padded with sp.pad).
 
-    The sentences decode in qkv's engine (qkv.engine.SourceRows), `slots` at a time: a sentence that ends frees its
-    slot for the next, and a translation does not depend on the sentences beside it. max_len None: each sentence's
-    own_max_len. use_cache=False re-reads every prefix of the padded batch instead (the tests' reference); a decoder
-    with latent or sliding-window attention decodes the padded batch in its own cache."""
-    if not use_cache or unslottable(model.new_cache(1)) is not None:  # a latent or sliding-window decoder
-        return _greedy_batch(model, src, sp, default_max_len(src, model) if max_len is None else max_len, use_cache)
+    The sentences decode in qkv's engine (qkv.engine.rows.SourceRows), `slots` at a time, longest first: a sentence
+    that ends frees its slot for the next. Each may produce `limits` tokens. use_cache=False re-reads every prefix
+    of the padded batch instead (the tests' reference); a decoder with latent or sliding-window attention decodes
+    batches of `slots` sentences in its own cache."""
     sources = [row[row != sp.pad].tolist() for row in src]
-    limits = [own_max_len(len(ids), model) if max_len is None else max_len for ids in sources]
-    rows = SourceRows(model, min(slots, len(sources)), max(limits) + 1, max(map(len, sources)), sp.bos, sp.pad)
+    allowed = limits(src, sp, model, max_len)
     # Longest first: sources that start together are of similar lengths (little padding), and no long one is left
     # to finish alone at the end.
-    order = sorted(range(len(sources)), key=lambda i: -len(sources[i]))
-    replies = Engine(model, rows=rows, max_queue=len(sources)).generate(
-        [Request(sources[i], limits[i], GREEDY, frozenset({sp.eos})) for i in order]
-    )
+    order = [i for i in sorted(range(len(sources)), key=lambda i: -len(sources[i])) if sources[i] and allowed[i]]
     out: list[list[int]] = [[] for _ in sources]
+    if not order:
+        return out
+    if not use_cache or unslottable(model.new_cache(1)) is not None:  # a latent or sliding-window decoder
+        for at in range(0, len(order), slots):
+            batch = order[at : at + slots]
+            decoded = _greedy_batch(model, src[batch], sp, [allowed[i] for i in batch], use_cache)
+            for i, ids in zip(batch, decoded, strict=True):
+                out[i] = ids
+        return out
+    rows = SourceRows(model, min(slots, len(order)), max(allowed) + 1, max(map(len, sources)), sp.bos, sp.pad)
+    replies = Engine(model, rows=rows, max_queue=len(order)).generate(
+        [Request(sources[i], allowed[i], GREEDY, frozenset({sp.eos})) for i in order]
+    )
     for i, (tokens, _) in zip(order, replies, strict=True):
         out[i] = [t.id for t in tokens]
     return out
 
 
-def _greedy_batch(model: Transformer, src: Tensor, sp: Specials, max_len: int, use_cache: bool) -> list[list[int]]:
-    """Greedy decoding of the padded batch src (B, S) as one batch, in the model's own cache or re-reading every
-    prefix: the reference for the engine's, and the way for decoders whose caches have no slots."""
+def _greedy_batch(model: Transformer, src: Tensor, sp: Specials, allowed: list[int], use_cache: bool,
+                  ) -> list[list[int]]:  # fmt: skip
+    """Greedy decoding of the padded batch src (B, S) as one batch, row b up to allowed[b] tokens, in the model's own
+    cache or re-reading every prefix: the reference for the engine's, and the way for caches without slots."""
     src_mask = padding_mask_from_ids(src, sp.pad)  # (B, 1, 1, S)
-    stepper = _Stepper(model, model.encode(src, src_mask), src_mask, use_cache, max_len + 1, sp.pad)
+    stepper = _Stepper(model, model.encode(src, src_mask), src_mask, use_cache, max(allowed) + 1, sp.pad)
     tokens = torch.full((src.shape[0], 1), sp.bos, dtype=torch.int64, device=src.device)  # (B, 1)
     done = torch.zeros(src.shape[0], dtype=torch.bool, device=src.device)
-    for _ in range(max_len):
+    last = torch.tensor(allowed, device=src.device)  # (B,)
+    for step in range(max(allowed)):
         nxt = stepper.log_probs(tokens).argmax(-1)  # (B,)
         nxt = torch.where(done, torch.full_like(nxt, sp.pad), nxt)  # finished rows only pad
         tokens = torch.cat([tokens, nxt[:, None]], dim=1)
-        done |= nxt == sp.eos
+        done |= (nxt == sp.eos) | (last <= step + 1)
         if bool(done.all()):
             break
     return _strip(tokens, sp)
@@ -185,14 +200,14 @@ def beam_search(model: Transformer, src: Tensor, sp: Specials, beam_size: int = 
     best candidates by that score, each ranked as if it ended there. A finished hypothesis (it produced
     </s>) stays in the beam with its score frozen (it can only be extended by padding), so it competes
     with the live ones until a better one pushes it out. A sentence is done when all its K hypotheses
-    are finished, the batch when every sentence is. K = 1 with β = 0 is exactly greedy decoding.
+    are finished, the batch when every sentence is; a sentence's hypotheses are frozen after its `limits` tokens.
+    K = 1 with β = 0 is exactly greedy decoding.
     """
-    b, k = src.shape[0], beam_size
+    b, k, device = src.shape[0], beam_size, src.device
     src_mask = padding_mask_from_ids(src, sp.pad)  # (B, 1, 1, S)
-    max_len = default_max_len(src, model) if max_len is None else max_len
+    last = torch.tensor(limits(src, sp, model, max_len), device=device)[:, None]  # (B, 1)
     memory = model.encode(src, src_mask).repeat_interleave(k, dim=0)  # (B·K, S, d): beams of a sentence adjacent
-    stepper = _Stepper(model, memory, src_mask.repeat_interleave(k, dim=0), use_cache, max_len + 1)
-    device = src.device
+    stepper = _Stepper(model, memory, src_mask.repeat_interleave(k, dim=0), use_cache, int(last.max()) + 1)
     tokens = torch.full((b * k, 1), sp.bos, dtype=torch.int64, device=device)  # (B·K, t)
     scores = torch.zeros(b, k, device=device)  # log P of each hypothesis
     scores[:, 1:] = -torch.inf  # all beams start identical: let only the first one expand at step 1
@@ -201,7 +216,7 @@ def beam_search(model: Transformer, src: Tensor, sp: Specials, beam_size: int = 
     offsets = torch.arange(b, device=device)[:, None] * k  # (B, 1): first row of each sentence's block
     src_pad = (src == sp.pad)[:, None, :]  # (B, 1, S)
     coverage = torch.zeros(b, k, src.shape[1], device=device)  # attention each source token has received
-    for _ in range(max_len):
+    for step in range(int(last.max())):
         if coverage_penalty:
             step_logp, attn = stepper.log_probs_and_attention(tokens)  # (B·K, V), (B·K, S)
             # The attention read while choosing the next token counts towards that token, as in GNMT.
@@ -219,7 +234,7 @@ def beam_search(model: Transformer, src: Tensor, sp: Specials, beam_size: int = 
         lengths = new_lengths.gather(1, beam)
         if coverage_penalty:
             coverage = coverage.gather(1, beam[..., None].expand_as(coverage))
-        finished = finished.gather(1, beam) | (token == sp.eos)
+        finished = finished.gather(1, beam) | (token == sp.eos) | (last <= step + 1)
         rows = (offsets + beam).view(-1)  # (B·K,) rows of the previous step's prefixes
         tokens = torch.cat([tokens[rows], token.view(-1, 1)], dim=1)
         stepper.reorder(rows)
