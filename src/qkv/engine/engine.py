@@ -172,8 +172,10 @@ class Engine:
         before requests come (a row count equal to a fixed size, two key-value heads say, is traced as that size:
         the third row gets a general graph); the slots are emptied after. Returns the seconds it took."""
         begin = time.perf_counter()
-        if self.kv.capacity >= 4:
-            self.generate([Request([0], 3, GREEDY) for _ in range(min(3, len(self.rows)))])
+        for n in range(1, min(3, len(self.rows)) + 1 if self.kv.capacity >= 4 else 1):
+            # One batch at a time: prompts read in one step would start decoding all together, and a first batch of
+            # as many rows as there are slots would be traced as that size.
+            self.generate([Request([0], 3, GREEDY) for _ in range(n)])
         self._empty_slots()
         return time.perf_counter() - begin
 
