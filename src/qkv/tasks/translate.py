@@ -142,7 +142,7 @@ def starting_point(path: str) -> tuple[Transformer, Tokenizer]:
 def validation_bleu(model: Transformer, batches: list[Seq2SeqBatch], translator: Translator) -> float:
     """Greedy BLEU over the validation batches (references decoded from the same tokens)."""
     sp, tokenizer = translator.specials, translator.tokenizer
-    sources = [row[row != sp.pad].tolist() for batch in batches for row in batch.src]  # decoded together, slot by slot
+    sources = [[t for t in row if t != sp.pad] for batch in batches for row in batch.src.tolist()]  # decoded together
     src = pad_sequences(sources, sp.pad).to(next(model.parameters()).device)
     hyps = [tokenizer.decode(ids).strip() for ids in greedy_decode(model, src, sp)]
     refs = [tokenizer.decode([t for t in row if t not in (sp.pad, sp.eos)]).strip()

@@ -66,7 +66,7 @@ class Translator:
     beam_scoring: BeamScoring = "gnmt"
     # The next three are transformers' generation settings (beam_scoring "hf"); max_len applies to both.
     early_stopping: EarlyStopping = False
-    max_len: int | None = None  # output tokens allowed; None = 1.5 × the source + 10 (beam: the longest in its batch)
+    max_len: int | None = None  # output tokens allowed; None: 1.5 × each source + 10 (hf: the batch's longest)
     forced_eos: bool = False  # the last allowed token is </s> (forced_eos_token_id)
 
     def __post_init__(self) -> None:
