@@ -111,12 +111,7 @@ class SlotKVCache(KVCache):
     def put(self, rows: list[int], k: Tensor, v: Tensor) -> None:
         """Start each of `rows` afresh with (m, H_kv, T, D) keys/values computed outside the slots (a batch of rows
         starting together); their lengths are the caller's to advance."""
-        if self._k is None or self._v is None:
-            shape = (self.slots.n_slots, k.shape[1], self.slots.columns_held, k.shape[-1])
-            self._k = k.new_zeros(shape, dtype=storage_dtype(k))
-            self._v = v.new_zeros(shape, dtype=storage_dtype(v))
-        self._k[rows, :, : k.shape[-2]] = k.to(self._k.dtype)
-        self._v[rows, :, : v.shape[-2]] = v.to(self._v.dtype)
+        _put_rows(self, self.slots.n_slots, self.slots.columns_held, storage_dtype(k), rows, k, v)
 
     def nbytes(self) -> int:
         """Bytes the buffers hold (all slots, all capacity)."""
@@ -165,11 +160,8 @@ class SlotCrossKV(KVCache):
 
     def put(self, rows: list[int], k: Tensor, v: Tensor) -> None:
         """Keep the (m, H_kv, S, D) source keys/values of a batch of rows starting to decode, one row each."""
-        if self._k is None or self._v is None:  # in the keys' own dtype, as a plain cross-attention cache keeps them
-            shape = (self.sources.slots.n_slots, k.shape[1], self.sources.columns_held, k.shape[-1])
-            self._k, self._v = k.new_zeros(shape), v.new_zeros(shape)
-        self._k[rows, :, : k.shape[-2]] = k.to(self._k.dtype)
-        self._v[rows, :, : v.shape[-2]] = v.to(self._v.dtype)
+        # In the keys' own dtype, as a plain cross-attention cache keeps them.
+        _put_rows(self, self.sources.slots.n_slots, self.sources.columns_held, k.dtype, rows, k, v)
 
     def set(self, k: Tensor, v: Tensor) -> None:
         """Refused: a slot's source keys come from put (a forward pass over the slots reads them)."""
@@ -184,6 +176,17 @@ class SlotCrossKV(KVCache):
     def nbytes(self) -> int:
         """Bytes the buffers hold (all slots)."""
         return 0 if self._k is None else 2 * self._k.numel() * self._k.element_size()
+
+
+def _put_rows(cache: KVCache, n_slots: int, columns: int, dtype: torch.dtype, rows: list[int], k: Tensor,
+              v: Tensor) -> None:  # fmt: skip
+    """Write (m, H_kv, T, D) keys/values at columns [0, T) of `rows`, the (n_slots, H_kv, columns, D) buffers made
+    on first use."""
+    if cache._k is None or cache._v is None:
+        shape = (n_slots, k.shape[1], columns, k.shape[-1])
+        cache._k, cache._v = k.new_zeros(shape, dtype=dtype), v.new_zeros(shape, dtype=dtype)
+    cache._k[rows, :, : k.shape[-2]] = k.to(dtype)
+    cache._v[rows, :, : v.shape[-2]] = v.to(dtype)
 
 
 def unslottable(template: list[LayerCache]) -> int | None:
