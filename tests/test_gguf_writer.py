@@ -21,6 +21,7 @@ from qkv.data.corpus import load_shakespeare
 from qkv.extras import package_file
 from qkv.interop import from_hf, read_checkpoint, tokenizer_from_hf
 from qkv.interop.gguf_writer import save_gguf
+from qkv.quantization import native as kernels
 from qkv.tokenizers import ByteBPETokenizer
 
 TEXTS = ["To be, or not to be: that is the question.", "In 1603, 42 players<|endoftext|>", "  spaces\n\ttabs é ü 😀"]
@@ -195,6 +196,7 @@ def test_block_formats_write_each_matrix_within_half_a_step(tmp_path: Path, toke
     ours, dense, kept = _logits(model, tokenizer), _logits(back, tokenizer), _logits(native, tokenizer)
     spread = (ours.amax(-1) - ours.amin(-1)).mean().item()
     # Measured (max |Δ logit| / mean logit spread; random weights of std 0.3): the file against the model 0.015 for
-    # Q8_0 and 0.20 for 4 bits; kept quantised against dequantised 0.007 (the kernel's bfloat16 scales and output).
+    # Q8_0 and 0.20 for 4 bits; kept quantised against dequantised 0.016–0.018 (activations rounded to 8 bits, as
+    # llama.cpp rounds them; PyTorch's int4 kernel, with bfloat16 activations, gave 0.007).
     assert (dense - ours).abs().max().item() <= (0.03 if bits == 8 else 0.3) * spread
-    assert (kept - dense).abs().max().item() <= 0.015 * spread
+    assert (kept - dense).abs().max().item() <= (0.03 if kernels.available() else 0.015) * spread

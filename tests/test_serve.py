@@ -89,7 +89,9 @@ def test_openai_client_chat_streamed_and_not_agree(server: Server) -> None:
     """Greedy chat through the official client: the streamed reply's pieces join into the whole reply, usage counts
     match, and the final chunk carries finish_reason and usage."""
     c = client(server)
-    question = [{"role": "user", "content": "What is the capital of France?"}]
+    # SmolLM2-135M's answer to "What is the capital of France?" hangs on a near-tie that llama.cpp itself tips away
+    # from Paris: a question it answers firmly keeps the check meaningful
+    question = [{"role": "user", "content": "Where is the Eiffel Tower?"}]
     whole = c.chat.completions.create(model=MODEL, messages=question, max_tokens=24, temperature=0)
     text = whole.choices[0].message.content
     assert "Paris" in text
@@ -237,7 +239,7 @@ def test_the_chat_page_streams_a_reply_stops_and_follows_up(server: Server, tmp_
             box.send_keys(text)
             driver.find_element(By.ID, "send").click()
 
-        say("What is the capital of France?")
+        say("Where is the Eiffel Tower?")
         wait.until(lambda d: d.find_element(By.ID, "send").is_enabled())
         replies = driver.find_elements(By.CSS_SELECTOR, ".assistant")
         assert "Paris" in replies[0].text

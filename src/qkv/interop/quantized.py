@@ -1,5 +1,8 @@
-"""A checkpoint's quantised matrices put into a built model: GroupLinear for each Linear, GroupEmbedding for a
-token table, both over the file's own codes (qkv.quantization)."""
+"""A checkpoint's quantised matrices put into a built model: a quantised Linear for each Linear, GroupEmbedding for
+a token table over the same module (qkv.quantization).
+
+On a CPU where qkv's kernels build, every matrix becomes a BlockLinear over the file's own bytes, multiplied as
+llama.cpp multiplies them; otherwise a GroupLinear over PyTorch's int4 kernel, where its group sizes fit."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from torch import Tensor, nn
 
 from qkv.interop.checkpoint import Checkpoint
 from qkv.interop.hf_io import NameMap, Ref
-from qkv.quantization import Blocks, GroupEmbedding, GroupLinear, exact_head, runs_natively
+from qkv.quantization import BlockLinear, Blocks, GroupEmbedding, GroupLinear, exact_head, native, runs_natively
 
 
 def _plain(ref: Ref) -> bool:
@@ -19,26 +22,29 @@ def _plain(ref: Ref) -> bool:
     return not (ref.transposed or ref.parts > 1 or ref.row)
 
 
-def _quantized(ckpt: Checkpoint, name_map: NameMap, qkv_name: str) -> Blocks | None:
-    """The blocks that hold this qkv weight, when the checkpoint kept them and a kernel multiplies them."""
+def _quantized(ckpt: Checkpoint, name_map: NameMap, qkv_name: str, own: bool) -> Blocks | None:
+    """The blocks that hold this qkv weight, when the checkpoint kept them and a kernel multiplies them (`own`:
+    qkv's kernels, which take every format)."""
     ref = name_map.get(qkv_name)
     blocks = ckpt.quantized.get(ref.name) if ref is not None and _plain(ref) else None
-    return blocks if blocks is not None and runs_natively(blocks.shape, blocks.group, blocks.bits) else None
+    fits = blocks is not None and (own or runs_natively(blocks.shape, blocks.group, blocks.bits))
+    return blocks if fits else None
 
 
 def place_quantized(model: nn.Module, ckpt: Checkpoint, name_map: NameMap) -> set[str]:
     """Swap in quantised modules where the checkpoint kept a matrix quantised; returns the names their tensors have in
     the model's state (filled: load_mapped skips them). A bias they took leaves the checkpoint's float tensors.
 
-    A matrix with no kernel (Q6_K's groups of 16, a row count that is not a multiple of 16) is dequantised into
-    the checkpoint's float tensors instead, for load_mapped to read.
+    Without qkv's kernels, a matrix the int4 kernel cannot take (Q6_K's groups of 16, a row count that is not a
+    multiple of 16) is dequantised into the checkpoint's float tensors instead, for load_mapped to read.
     """
     done: set[str] = set()
-    built: dict[str, GroupLinear] = {}  # HF name → module: a tied head and its embedding share one
+    own = native.available()
+    built: dict[str, BlockLinear | GroupLinear] = {}  # HF name → module: a tied head and its embedding share one
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             full = f"{parent_name}.{name}" if parent_name else name
-            blocks = _quantized(ckpt, name_map, f"{full}.weight")
+            blocks = _quantized(ckpt, name_map, f"{full}.weight", own)
             if blocks is None or not isinstance(child, nn.Linear | nn.Embedding):
                 continue
             hf = name_map[f"{full}.weight"].name
@@ -46,7 +52,7 @@ def place_quantized(model: nn.Module, ckpt: Checkpoint, name_map: NameMap) -> se
             if isinstance(child, nn.Linear) and child.bias is not None:
                 bias = ckpt.tensors.pop(name_map[f"{full}.bias"].name)
             if hf not in built:
-                built[hf] = GroupLinear(blocks.read(), bias)  # one matrix's codes at a time
+                built[hf] = BlockLinear(blocks, bias) if own else GroupLinear(blocks.read(), bias)
             table = built[hf]
             module = table if isinstance(child, nn.Linear) else GroupEmbedding(table)
             setattr(parent, name, module)
@@ -63,7 +69,7 @@ def materialise(model: nn.Module) -> None:
     storage, and recompute what modules derive rather than load (rotary tables) with their reset_parameters."""
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, GroupLinear):
+            if isinstance(module, BlockLinear | GroupLinear):
                 continue
             for name, param in list(module.named_parameters(recurse=False)):
                 if param.is_meta:

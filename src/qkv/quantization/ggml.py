@@ -30,6 +30,7 @@ from qkv.errors import QkvError
 BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q4_K": (256, 144),
           "Q6_K": (256, 210)}  # fmt: skip
 GROUPS = {"Q6_K": (16, 6), "Q8_0": (32, 8), "Q5_0": (32, 5)}  # name: (group, bits) where not (32, 4)
+HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}  # float16 fields
 
 
 @dataclass
@@ -90,7 +91,7 @@ def _nibbles(qs: Tensor) -> Tensor:
 
 def _bits(raw: Tensor, count: int) -> Tensor:
     """Little-endian bits of the bytes `raw` (…, count // 8) → (…, count) of 0/1."""
-    shifts = torch.arange(8, dtype=torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=raw.device)
     return ((raw[..., :, None] >> shifts) & 1).reshape(*raw.shape[:-1], count)
 
 
@@ -141,8 +142,9 @@ def _read(kind: str, raw: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return codes.flatten(1), scale.flatten(1), minimum.flatten(1)
 
 
-def read_blocks(kind: str, raw: Tensor, shape: tuple[int, int]) -> Groups:
-    """The raw bytes of an (N, K) matrix in a GGUF block format, as Groups (refused when they cannot be)."""
+def check_blocks(kind: str, raw: Tensor, shape: tuple[int, int]) -> Tensor:
+    """The raw bytes of an (N, K) matrix as (N, blocks, bytes), refused in one line when the format is unknown, the
+    size does not match, or a block's float16 scale or minimum is not a finite number."""
     if kind not in BLOCKS:
         raise QkvError(f"GGUF tensor type {kind} has no native kernel in qkv (it runs {', '.join(BLOCKS)}); "
                        f"pass --dtype float32 to dequantise the model instead")  # fmt: skip
@@ -151,9 +153,15 @@ def read_blocks(kind: str, raw: Tensor, shape: tuple[int, int]) -> Groups:
     if k % per_block or raw.numel() != n * (k // per_block) * size:
         raise QkvError(f"a {kind} tensor of shape {n} × {k} needs {n * -(-k // per_block) * size:,} bytes in blocks of "
                        f"{per_block} weights, but the file holds {raw.numel():,}: the file is damaged")  # fmt: skip
-    codes, scale, minimum = _read(kind, raw.reshape(n, k // per_block, size))
-    if not (torch.isfinite(scale).all() and torch.isfinite(minimum).all()):
+    blocks = raw.reshape(n, k // per_block, size)
+    if not all(torch.isfinite(_half(blocks, at)).all() for at in HALVES[kind]):
         raise QkvError(f"a {kind} tensor of shape {n} × {k} has a block whose scale is not a finite number: "
                        f"the file is damaged")  # fmt: skip
+    return blocks
+
+
+def read_blocks(kind: str, raw: Tensor, shape: tuple[int, int]) -> Groups:
+    """The raw bytes of an (N, K) matrix in a GGUF block format, as Groups (refused when they cannot be)."""
+    codes, scale, minimum = _read(kind, check_blocks(kind, raw, shape))
     group, bits = GROUPS.get(kind, (32, 4))
     return Groups(codes.contiguous(), scale.contiguous(), minimum.contiguous(), group, bits)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.errors import QkvError
+from qkv.quantization.blocks import BlockLinear
 from qkv.quantization.ggml import Groups
 
 KERNEL_GROUPS = (32, 64, 128, 256)  # the group sizes the int4 kernel takes
@@ -186,9 +187,9 @@ def exact_head(model: nn.Module) -> None:
 
 
 class GroupEmbedding(nn.Module):
-    """A token embedding read from a GroupLinear's rows: the tied head's quantised matrix embeds too."""
+    """A token embedding read from a quantised Linear's rows: the tied head's quantised matrix embeds too."""
 
-    def __init__(self, table: GroupLinear) -> None:
+    def __init__(self, table: GroupLinear | BlockLinear) -> None:
         super().__init__()
         self.table = table
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qkv.quantization.blocks import BlockLinear
 from qkv.quantization.groups import GroupLinear, exact_head, runs_natively
 
 
@@ -140,7 +141,7 @@ def weight_bytes(model: nn.Module) -> int:
     """Bytes of the matrices a decode step multiplies by (Linear weights, float or int8, and their scales)."""
     total = 0
     for m in model.modules():
-        if isinstance(m, GroupLinear):
+        if isinstance(m, GroupLinear | BlockLinear):
             total += m.weight_bytes()
         elif isinstance(m, Int8Linear):
             total += m.weight_int8.numel() + m.scales.numel() * m.scales.element_size()
