@@ -170,20 +170,8 @@ inline void unpack32(int64_t type, const uint8_t* block, int part, int8_t* w) {
   }
 }
 
-// 8 int32 lanes, lane i the sum of bytes 4i..4i+3 of w · a (signed × signed).
-inline __m256i dot32(__m256i w, __m256i a) {
-  const __m256i magnitude = _mm256_sign_epi8(w, w);
-  const __m256i signed_a = _mm256_sign_epi8(a, w);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitude, signed_a);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), magnitude, signed_a);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_a), _mm256_set1_epi16(1));
-#endif
-}
-
-// Unsigned codes (below 128) × signed activations.
+// Unsigned codes (at most 128: without VNNI, a pair of products must fit in int16) × signed activations: 8 int32
+// lanes, lane i the sum of bytes 4i..4i+3.
 inline __m256i dot32u(__m256i w, __m256i a) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, a);
@@ -193,6 +181,9 @@ inline __m256i dot32u(__m256i w, __m256i a) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1));
 #endif
 }
+
+// Signed × signed: |w| times a with w's sign, which the unsigned form takes.
+inline __m256i dot32(__m256i w, __m256i a) { return dot32u(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w)); }
 
 inline __m256i nibbles32(const uint8_t* qs) {  // 16 bytes → low nibbles in bytes 0–15, high ones in 16–31
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
@@ -354,9 +345,18 @@ void check(const at::Tensor& blocks, int64_t type, int64_t K) {
               "ggml_mm: ", K, " inputs do not fill rows of ", blocks.size(1), " bytes of type ", type);
 }
 
-constexpr int64_t COLS = 8;    // activation rows per pass over a weight row's blocks
+constexpr int64_t COLS = 8;    // activation rows per pass over a weight row's blocks (then 4, 2, 1 for the rest)
 constexpr int64_t TILE = 16;   // weight rows per task: they share one chunk of activations in the L1 cache
 constexpr int64_t CHUNK = 32;  // activation rows per chunk
+
+// One weight row times activation rows m..m+C into the output column `out` (rows of N); the next m.
+template <int C>
+int64_t columns(int64_t type, const uint8_t* row, int64_t K, const Row* a, int64_t m, float* out, int64_t N,
+                float* result) {
+  dot<C>(type, row, K, a + m, result);
+  for (int c = 0; c < C; ++c) out[(m + c) * N] = result[c];
+  return m + C;
+}
 
 at::Tensor ggml_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "ggml_mm: x must be a (M, K) float32 matrix");
@@ -394,11 +394,10 @@ at::Tensor ggml_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t type) 
         for (int64_t n = n0; n < std::min(N, n0 + TILE); ++n) {
           const uint8_t* row = W + n * row_bytes;
           int64_t m = m0;
-          for (; m + COLS <= m1; m += COLS) {
-            dot<COLS>(type, row, K, rows.data() + m, result);
-            for (int64_t c = 0; c < COLS; ++c) out[(m + c) * N + n] = result[c];
-          }
-          for (; m < m1; ++m) dot<1>(type, row, K, rows.data() + m, out + m * N + n);
+          for (; m + COLS <= m1; m += COLS) columns<COLS>(type, row, K, rows.data(), m, out + n, N, result);
+          if (m + 4 <= m1) m = columns<4>(type, row, K, rows.data(), m, out + n, N, result);
+          if (m + 2 <= m1) m = columns<2>(type, row, K, rows.data(), m, out + n, N, result);
+          if (m < m1) columns<1>(type, row, K, rows.data(), m, out + n, N, result);
         }
       }
     }
