@@ -21,16 +21,15 @@ import numpy as np
 import torch
 
 LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
-SCALES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
 
 
 def random_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
     """Random bytes for an (N, K) matrix of `kind`, with finite float16 scales."""
-    from qkv.quantization import BLOCKS
+    from qkv.quantization.ggml import BLOCKS, HALVES
 
     per, size = BLOCKS[kind]
     raw = rng.integers(0, 256, (n, k // per, size), dtype=np.uint8)
-    for at in SCALES[kind]:
+    for at in HALVES[kind]:
         raw[..., at : at + 2] = rng.uniform(0.001, 0.02, (n, k // per)).astype(np.float16).view(np.uint8).reshape(
             n, k // per, 2)  # fmt: skip
     return torch.from_numpy(raw.reshape(n, -1))

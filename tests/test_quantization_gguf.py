@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 
 from qkv.errors import QkvError
 from qkv.quantization import BLOCKS, BlockLinear, GroupEmbedding, GroupLinear, native, read_blocks, runs_natively
+from qkv.quantization.ggml import HALVES
 from qkv.quantization.groups import _pack, _unpack
 
 gguf = pytest.importorskip("gguf")  # the `hf` extra; the dev set-up installs it
-SCALES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int) -> np.ndarray:
@@ -28,7 +28,7 @@ def random_blocks(kind: str, n: int, k: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     per, size = BLOCKS[kind]
     raw = rng.integers(0, 256, (n, k // per, size), dtype=np.uint8)
-    for at in SCALES[kind]:
+    for at in HALVES[kind]:
         halves = rng.uniform(-0.1, 0.1, (n, k // per)).astype(np.float16)
         raw[..., at : at + 2] = halves.view(np.uint8).reshape(n, k // per, 2)
     return raw.reshape(n, -1)
