@@ -242,6 +242,29 @@ def test_training_steps_on_cuda_never_wait_for_the_gpu(tmp_path: Path, corpus: P
 
 
 @on_cuda
+def test_a_gguf_block_linear_on_cuda_equals_its_cpu_self() -> None:
+    """Off the CPU a BlockLinear dequantises its blocks (qkv's reader) and multiplies: the exact float32 product,
+    and the same rows for a tied embedding, as on the CPU."""
+    import numpy as np
+
+    from qkv.quantization import BLOCKS, BlockLinear, Blocks
+    from qkv.quantization.ggml import HALVES
+
+    rng = np.random.default_rng(2)
+    for kind, (per, size) in BLOCKS.items():
+        raw = rng.integers(0, 256, (32, 256 // per, size), dtype=np.uint8)
+        for at in HALVES[kind]:
+            raw[..., at : at + 2] = rng.uniform(-0.1, 0.1, (32, 256 // per, 1)).astype(np.float16).view(np.uint8)
+        linear = BlockLinear(Blocks(kind, torch.from_numpy(raw.reshape(32, -1)), (32, 256)))
+        w = linear.dequantize()  # on the CPU: qkv's kernel's rows
+        x = torch.randn(3, 256, dtype=torch.float64).float()
+        gpu = linear.cuda()
+        torch.testing.assert_close(gpu(x.cuda()).cpu(), x @ w.t(), rtol=1e-4, atol=1e-4, msg=kind)
+        ids = torch.tensor([0, 31, 7])
+        assert torch.equal(gpu.rows(ids.cuda()).cpu(), w[ids]), kind
+
+
+@on_cuda
 def test_qkv_train_cli_on_cuda_writes_a_checkpoint_that_loads(tmp_path: Path, corpus: Path) -> None:
     """`python -m qkv train --device cuda` for 4 steps exits 0; its checkpoint loads on the GPU and the CPU."""
     out = tmp_path / "run"

@@ -199,12 +199,15 @@ def test_qkv_no_kernels_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
     assert native.available()
 
 
-@pytest.mark.cuda
-def test_on_cuda_the_weights_are_dequantised_and_multiplied() -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    linear, raw = linear_of("Q4_K", 32, 256, seed=2)
-    x = torch.randn(3, 256)
-    w = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K).reshape(32, 256))
-    y = linear.cuda()(x.cuda()).cpu()
-    torch.testing.assert_close(y, x @ w.t(), rtol=1e-4, atol=1e-4)
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_without_the_kernel_the_module_dequantises_and_multiplies(kind: str) -> None:
+    """The path a CUDA tensor takes (and a CPU without the kernels): qkv's reader dequantises the blocks, and the
+    product is the exact float one, the rows the kernel's (tests/test_cuda.py runs it on a GPU)."""
+    linear, _ = linear_of(kind, 32, 256, seed=6)
+    w = linear.dequantize()
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(6))
+    linear.kernel = False
+    torch.testing.assert_close(linear(x), x @ w.t(), rtol=1e-5, atol=1e-5)
+    ids = torch.tensor([0, 31, 7])
+    assert torch.equal(linear.rows(ids), w[ids])
